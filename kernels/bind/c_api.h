@@ -1,0 +1,50 @@
+/* The C ABI of the q4 kernel library (used through ctypes and by tests).
+ * Every function returns 0 on success or a q4 StatusCode; on failure
+ * q4_last_error() returns a message for the calling thread. Sizes are element
+ * counts; a size that does not match the layout in q4/kernels.h is rejected
+ * before any memory is touched. dtype codes: 0 f32, 1 f16, 2 bf16.
+ * quant_type: 0 nf4, 1 fp4. */
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define Q4_API __attribute__((visibility("default")))
+
+Q4_API const char* q4_last_error(void);
+Q4_API int32_t q4_abi_version(void);
+Q4_API int32_t q4_has_cuda(void);
+
+/* Format constants, read by the Python packages (single source of truth). */
+Q4_API int32_t q4_code_table(int32_t which, float* out, int64_t out_size); /* 0 nf4, 1 fp4, 2 dynamic8 */
+Q4_API int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size);
+Q4_API int64_t q4_min_blocksize(void);
+Q4_API int64_t q4_max_blocksize(void);
+Q4_API int64_t q4_nested_blocksize(void);
+
+Q4_API int32_t q4_cpu_isa(void);
+Q4_API int32_t q4_cpu_has_avx2(void);
+Q4_API int32_t q4_set_cpu_isa(int32_t isa);
+Q4_API int32_t q4_cpu_num_threads(void);
+Q4_API void q4_set_cpu_num_threads(int32_t n);
+
+Q4_API int32_t q4_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, int32_t quant_type,
+                                uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size);
+Q4_API int32_t q4_dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax,
+                                  int64_t absmax_size, int64_t n, int64_t blocksize, int32_t quant_type, void* out,
+                                  int32_t out_dtype);
+/* code: 256 sorted floats, or NULL for the dynamic map. */
+Q4_API int32_t q4_quantize_blockwise(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, const float* code,
+                                     uint8_t* codes, int64_t codes_size, float* absmax, int64_t absmax_size);
+/* add_offset != 0: out = fp32(code[q] * absmax) + offset (nested absmax). */
+Q4_API int32_t q4_dequantize_blockwise(const uint8_t* codes, int64_t n, const float* absmax, int64_t absmax_size,
+                                       int64_t blocksize, const float* code, int32_t add_offset, float offset,
+                                       void* out, int32_t out_dtype);
+Q4_API int32_t q4_quantize_nested(const float* absmax, int64_t n_blocks, uint8_t* codes, float* absmax2,
+                                  int64_t absmax2_size, float* offset);
+
+#ifdef __cplusplus
+}
+#endif

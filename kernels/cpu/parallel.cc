@@ -1,0 +1,135 @@
+#include "parallel.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "q4/kernels.h"
+
+namespace q4 {
+namespace {
+
+int env_threads(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return 0;
+  const int n = std::atoi(v);
+  return n > 0 ? n : 0;
+}
+
+int default_threads() {
+  if (int n = env_threads("Q4_NUM_THREADS")) return n;
+  if (int n = env_threads("OMP_NUM_THREADS")) return n;
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+int g_requested = 0;  // 0: default
+
+// Workers wait for a generation counter to change, run their chunk of the
+// current job, and report completion. One job runs at a time (job_mu).
+class Pool {
+ public:
+  void run(int chunks, const std::function<void(int)>& chunk_fn) {
+    std::lock_guard<std::mutex> job_lock(job_mu_);
+    ensure_workers(chunks - 1);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      fn_ = &chunk_fn;
+      active_ = chunks - 1;
+      pending_ = chunks - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    chunk_fn(0);
+    std::unique_lock<std::mutex> lk(mu_);
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+  // After fork() only the forking thread exists in the child: forget workers.
+  void reset_after_fork() {
+    new (&mu_) std::mutex();
+    new (&job_mu_) std::mutex();
+    new (&cv_) std::condition_variable();
+    new (&done_cv_) std::condition_variable();
+    for (auto& t : workers_) t.detach();
+    workers_.clear();
+    generation_ = 0;
+    pending_ = active_ = 0;
+  }
+
+ private:
+  void ensure_workers(int n) {
+    while (static_cast<int>(workers_.size()) < n) {
+      const int id = static_cast<int>(workers_.size()) + 1;
+      workers_.emplace_back([this, id] { loop(id); });
+    }
+  }
+  void loop(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* fn;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (id > active_) continue;
+        fn = fn_;
+      }
+      (*fn)(id);
+      std::lock_guard<std::mutex> lk(mu_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex job_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* fn_ = nullptr;
+  uint64_t generation_ = 0;
+  int active_ = 0, pending_ = 0;
+};
+
+Pool& pool() {
+  static Pool* p = [] {
+    auto* created = new Pool();  // never destroyed: workers outlive static teardown
+    pthread_atfork(nullptr, nullptr, [] { pool().reset_after_fork(); });
+    return created;
+  }();
+  return *p;
+}
+
+thread_local bool t_in_parallel = false;
+
+}  // namespace
+
+int cpu_num_threads() { return g_requested > 0 ? g_requested : default_threads(); }
+void set_cpu_num_threads(int n) { g_requested = n > 0 ? n : 0; }
+
+namespace cpu {
+
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t max_chunks = std::max<int64_t>(1, n / grain);
+  const int chunks = static_cast<int>(std::min<int64_t>(cpu_num_threads(), max_chunks));
+  if (chunks <= 1 || t_in_parallel) {
+    fn(0, n);
+    return;
+  }
+  const int64_t per = (n + chunks - 1) / chunks;
+  std::function<void(int)> chunk_fn = [&](int c) {
+    const int64_t b = c * per, e = std::min(n, b + per);
+    t_in_parallel = true;
+    if (b < e) fn(b, e);
+    t_in_parallel = false;
+  };
+  pool().run(chunks, chunk_fn);
+}
+
+}  // namespace cpu
+}  // namespace q4

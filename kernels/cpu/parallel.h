@@ -1,0 +1,17 @@
+// A persistent worker pool for the CPU kernels. parallel_for splits [0, n)
+// into at most num_threads contiguous chunks of at least `grain` items and
+// runs fn(begin, end) on each; the caller's thread takes the first chunk.
+// Thread count: set_cpu_num_threads(), else Q4_NUM_THREADS, else
+// OMP_NUM_THREADS, else the hardware concurrency.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace q4 {
+namespace cpu {
+
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+}  // namespace cpu
+}  // namespace q4

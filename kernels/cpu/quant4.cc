@@ -1,0 +1,185 @@
+// 4-bit blockwise quantize / dequantize on the CPU.
+//
+// Per block b of elements [b*bs, min(n, (b+1)*bs)):
+//   amax = max |x| (NaN if any element is NaN)
+//   full block:    s = x * (1.0f / floor(amax)), stored absmax = amax
+//   partial block: s = x / floor(amax),          stored absmax = floor(amax)
+// where floor(a) = max(a, 1e-38) keeping NaN. The nibble is the code book's
+// encode(s) (nf4.h / fp4.h). Dequantize: out = decode(nibble) * absmax[b] in
+// fp32, rounded to the output dtype to nearest even. The scalar and AVX2
+// paths produce identical bytes and values (no FMA contraction anywhere).
+#include <algorithm>
+#include <cmath>
+
+#include "parallel.h"
+#include "q4/kernels.h"
+#include "q4/quant4.h"
+#include "simd_avx2.h"
+
+namespace q4 {
+namespace cpu {
+namespace {
+
+constexpr int64_t kGrainElements = 1 << 16;
+
+template <typename T>
+float block_absmax_scalar(const T* x, int64_t len) {
+  float m = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < len; ++i) {
+    const float a = std::fabs(Elem<T>::load(x, i));
+    nan |= (a != a);
+    m = a > m ? a : m;
+  }
+  return nan ? __builtin_nanf("") : m;
+}
+
+// Encodes one block (scalar). `partial` selects the division form.
+template <QuantType QT, typename T>
+void quantize_block_scalar(const T* x, int64_t len, bool partial, uint8_t* packed, float* absmax) {
+  const float amax = block_absmax_scalar(x, len);
+  const float floor_amax = absmax_floor(amax);
+  const float inv = 1.0f / floor_amax;
+  auto scaled = [&](int64_t i) {
+    const float v = Elem<T>::load(x, i);
+    return partial ? v / floor_amax : v * inv;
+  };
+  const int pad = Code4<QT>::encode(0.0f);
+  for (int64_t i = 0; i < len; i += 2) {
+    const int e = Code4<QT>::encode(scaled(i));
+    const int o = i + 1 < len ? Code4<QT>::encode(scaled(i + 1)) : pad;
+    packed[i / 2] = pack2(e, o);
+  }
+  *absmax = partial ? floor_amax : amax;
+}
+
+template <QuantType QT, typename T>
+void dequantize_block_scalar(const uint8_t* packed, int64_t len, float absmax, T* out) {
+  for (int64_t i = 0; i < len; i += 2) {
+    const uint8_t b = packed[i / 2];
+    Elem<T>::store(out, i, Code4<QT>::decode(unpack_even(b)) * absmax);
+    if (i + 1 < len) Elem<T>::store(out, i + 1, Code4<QT>::decode(unpack_odd(b)) * absmax);
+  }
+}
+
+#if Q4_HAVE_AVX2_CODE
+// Full blocks only (len a multiple of 32).
+template <QuantType QT, typename T>
+Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float* absmax_out) {
+  const float amax = avx2::absmax(x, len);
+  const __m256 inv = _mm256_set1_ps(1.0f / absmax_floor(amax));
+  __m256 mid[15];
+  for (int r = 0; r < 15; ++r) mid[r] = _mm256_set1_ps(Code4<QT>::midpoint(r));
+  alignas(16) uint8_t rank_to_nibble[16];
+  for (int r = 0; r < 16; ++r) rank_to_nibble[r] = uint8_t(Code4<QT>::nibble_of_rank(r));
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(rank_to_nibble)));
+  const __m256i pair_weights = _mm256_set1_epi16(0x0110);  // high nibble * 16 + low nibble * 1
+  const __m256i fix_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < len; i += 32) {
+    __m256i rank[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 s = _mm256_mul_ps(avx2::Vec<T>::load(x + i + 8 * k), inv);
+      __m256i r = _mm256_setzero_si256();
+      for (int m = 0; m < 15; ++m)  // !(s <= mid): NaN counts above every midpoint
+        r = _mm256_sub_epi32(r, _mm256_castps_si256(_mm256_cmp_ps(s, mid[m], _CMP_NLE_UQ)));
+      rank[k] = r;
+    }
+    // int32 ranks -> 32 bytes in element order
+    const __m256i ab = _mm256_packus_epi32(rank[0], rank[1]);
+    const __m256i cd = _mm256_packus_epi32(rank[2], rank[3]);
+    __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), fix_lanes);
+    if (QT != kNF4) bytes = _mm256_shuffle_epi8(lut, bytes);
+    const __m256i pairs = _mm256_maddubs_epi16(bytes, pair_weights);  // 16 x (even<<4 | odd)
+    const __m128i out = _mm_packus_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(packed + i / 2), out);
+  }
+  *absmax_out = amax;
+}
+
+template <QuantType QT, typename T>
+Q4_AVX2 void dequantize_block_avx2(const uint8_t* packed, int64_t len, float absmax, T* out) {
+  alignas(32) float table[16];
+  for (int q = 0; q < 16; ++q) table[q] = Code4<QT>::decode(q);
+  const __m256 t_lo = _mm256_load_ps(table), t_hi = _mm256_load_ps(table + 8);
+  const __m256 scale = _mm256_set1_ps(absmax);
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t i = 0; i < len; i += 32) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    const __m128i lo = _mm_and_si128(b, low4);
+    const __m128i n0 = _mm_unpacklo_epi8(hi, lo);  // nibbles of elements 0..15
+    const __m128i n1 = _mm_unpackhi_epi8(hi, lo);  // elements 16..31
+    const __m128i groups[4] = {n0, _mm_srli_si128(n0, 8), n1, _mm_srli_si128(n1, 8)};
+    for (int k = 0; k < 4; ++k) {
+      const __m256 v = avx2::lookup16(t_lo, t_hi, _mm256_cvtepu8_epi32(groups[k]));
+      avx2::Vec<T>::store(out + i + 8 * k, _mm256_mul_ps(v, scale));
+    }
+  }
+}
+#endif
+
+template <QuantType QT, typename T>
+void quantize_range(const Quantize4bitParams& p, int64_t b0, int64_t b1, bool simd) {
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t bs = p.blocksize;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * bs, len = std::min(bs, p.n - start);
+    const bool partial = len < bs;
+#if Q4_HAVE_AVX2_CODE
+    if (simd && !partial) {
+      quantize_block_avx2<QT, T>(x + start, len, p.packed + start / 2, p.absmax + b);
+      continue;
+    }
+#endif
+    quantize_block_scalar<QT, T>(x + start, len, partial, p.packed + start / 2, p.absmax + b);
+  }
+}
+
+template <QuantType QT, typename T>
+void dequantize_range(const Dequantize4bitParams& p, int64_t b0, int64_t b1, bool simd) {
+  T* out = static_cast<T*>(p.out);
+  const int64_t bs = p.blocksize;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * bs, len = std::min(bs, p.n - start);
+#if Q4_HAVE_AVX2_CODE
+    if (simd && len == bs) {
+      dequantize_block_avx2<QT, T>(p.packed + start / 2, len, p.absmax[b], out + start);
+      continue;
+    }
+#endif
+    dequantize_block_scalar<QT, T>(p.packed + start / 2, len, p.absmax[b], out + start);
+  }
+}
+
+}  // namespace
+
+Status quantize_4bit(const Quantize4bitParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  const bool simd = cpu_isa() == kIsaAvx2;
+  const int64_t blocks = p.absmax_size;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / p.blocksize);
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
+    Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
+      parallel_for(blocks, grain, [&](int64_t b0, int64_t b1) { quantize_range<QT, T>(p, b0, b1, simd); });
+    });
+  });
+  return Status::Ok();
+}
+
+Status dequantize_4bit(const Dequantize4bitParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  const bool simd = cpu_isa() == kIsaAvx2;
+  const int64_t blocks = p.absmax_size;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / p.blocksize);
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
+    Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
+      parallel_for(blocks, grain, [&](int64_t b0, int64_t b1) { dequantize_range<QT, T>(p, b0, b1, simd); });
+    });
+  });
+  return Status::Ok();
+}
+
+}  // namespace cpu
+}  // namespace q4

@@ -1,0 +1,114 @@
+// Argument validation shared by the CPU and CUDA ops. Messages name the bad
+// value and the expected one; callers surface them unchanged.
+#include <string>
+
+#include "q4/kernels.h"
+#include "q4/packing.h"
+
+namespace q4 {
+namespace {
+
+std::string S(int64_t v) { return std::to_string(v); }
+
+Status check_blocksize(int64_t bs, const char* what) {
+  if (!is_pow2(bs) || bs < kMinBlocksize || bs > kMaxBlocksize)
+    return Status::Invalid(std::string(what) + " must be a power of two in [32, 4096], got " + S(bs));
+  return Status::Ok();
+}
+Status check_float_dtype(DType d, const char* what) {
+  if (d != kF32 && d != kF16 && d != kBF16)
+    return Status::Invalid(std::string(what) + " must be float32, float16 or bfloat16 (dtype code 0, 1, 2), got code " +
+                           S(d));
+  return Status::Ok();
+}
+Status check_quant_type(QuantType q) {
+  if (q != kNF4 && q != kFP4) return Status::Invalid("quant_type must be 0 (nf4) or 1 (fp4), got " + S(q));
+  return Status::Ok();
+}
+Status check_n(int64_t n) {
+  if (n <= 0) return Status::Invalid("element count must be positive, got " + S(n));
+  return Status::Ok();
+}
+Status check_size(const char* what, int64_t got, int64_t want) {
+  if (got != want) return Status::Invalid(std::string(what) + " has " + S(got) + " elements, expected " + S(want));
+  return Status::Ok();
+}
+Status check_ptr(const void* p, const char* what) {
+  if (p == nullptr) return Status::Invalid(std::string(what) + " is a null pointer");
+  return Status::Ok();
+}
+
+#define Q4_RETURN_IF_ERROR(expr)  \
+  do {                            \
+    Status _s = (expr);           \
+    if (!_s.ok()) return _s;      \
+  } while (0)
+
+}  // namespace
+
+Status validate(const Quantize4bitParams& p) {
+  Q4_RETURN_IF_ERROR(check_n(p.n));
+  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
+  Q4_RETURN_IF_ERROR(check_quant_type(p.quant_type));
+  Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.packed, "packed output"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax, "absmax output"));
+  Q4_RETURN_IF_ERROR(check_size("packed output", p.packed_size, packed_bytes(p.n)));
+  Q4_RETURN_IF_ERROR(check_size("absmax output", p.absmax_size, ceil_div(p.n, p.blocksize)));
+  return Status::Ok();
+}
+
+Status validate(const Dequantize4bitParams& p) {
+  Q4_RETURN_IF_ERROR(check_n(p.n));
+  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.out_dtype, "output dtype"));
+  Q4_RETURN_IF_ERROR(check_quant_type(p.quant_type));
+  Q4_RETURN_IF_ERROR(check_ptr(p.packed, "packed input"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax, "absmax"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.out, "output"));
+  Q4_RETURN_IF_ERROR(check_size("packed input", p.packed_size, packed_bytes(p.n)));
+  Q4_RETURN_IF_ERROR(check_size("absmax", p.absmax_size, ceil_div(p.n, p.blocksize)));
+  return Status::Ok();
+}
+
+Status validate(const QuantizeBlockwiseParams& p) {
+  Q4_RETURN_IF_ERROR(check_n(p.n));
+  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.codes, "codes output"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax, "absmax output"));
+  Q4_RETURN_IF_ERROR(check_size("codes output", p.codes_size, p.n));
+  Q4_RETURN_IF_ERROR(check_size("absmax output", p.absmax_size, ceil_div(p.n, p.blocksize)));
+  if (p.code != nullptr) {
+    for (int i = 0; i + 1 < 256; ++i)
+      if (!(p.code[i] <= p.code[i + 1]))
+        return Status::Invalid("code book must be sorted ascending without NaN; entry " + S(i + 1) +
+                               " is smaller than entry " + S(i));
+  }
+  return Status::Ok();
+}
+
+Status validate(const DequantizeBlockwiseParams& p) {
+  Q4_RETURN_IF_ERROR(check_n(p.n));
+  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.out_dtype, "output dtype"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.codes, "codes"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax, "absmax"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.out, "output"));
+  Q4_RETURN_IF_ERROR(check_size("absmax", p.absmax_size, ceil_div(p.n, p.blocksize)));
+  return Status::Ok();
+}
+
+Status validate(const QuantizeNestedParams& p) {
+  Q4_RETURN_IF_ERROR(check_n(p.n_blocks));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax, "absmax"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.codes, "nested codes output"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax2, "nested absmax output"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.offset, "nested offset output"));
+  Q4_RETURN_IF_ERROR(check_size("nested absmax output", p.absmax2_size, ceil_div(p.n_blocks, kNestedBlocksize)));
+  return Status::Ok();
+}
+
+}  // namespace q4
