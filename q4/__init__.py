@@ -1,0 +1,64 @@
+"""q4: 4-bit (NF4/FP4) and 8-bit blockwise quantization on one set of native
+kernels, shared by the PyTorch (q4torch) and JAX (q4jax) front ends.
+
+This package is framework-neutral: the kernel library loader, the format
+constants (read from the library), the numpy-level QuantState schema and
+numpy entry points to the CPU kernels.
+"""
+
+from q4._src.formats import (
+    QUANT_TYPES,
+    check_blocksize,
+    code_table,
+    max_blocksize,
+    min_blocksize,
+    nested_blocksize,
+)
+from q4._src.kernels import (
+    dequantize_4bit,
+    dequantize_blockwise,
+    quantize_4bit,
+    quantize_blockwise,
+    quantize_nested,
+)
+from q4._src.native import (
+    KernelError,
+    NativeLibraryError,
+    cpu_has_avx2,
+    cpu_isa,
+    cuda_device_count,
+    has_cuda,
+    library_path,
+    num_threads,
+    set_cpu_isa,
+    set_num_threads,
+)
+from q4._src.quant_state import QuantState, QuantStateError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QUANT_TYPES",
+    "KernelError",
+    "NativeLibraryError",
+    "QuantState",
+    "QuantStateError",
+    "check_blocksize",
+    "code_table",
+    "cpu_has_avx2",
+    "cpu_isa",
+    "cuda_device_count",
+    "dequantize_4bit",
+    "dequantize_blockwise",
+    "has_cuda",
+    "library_path",
+    "max_blocksize",
+    "min_blocksize",
+    "nested_blocksize",
+    "num_threads",
+    "quantize_4bit",
+    "quantize_blockwise",
+    "quantize_nested",
+    "set_cpu_isa",
+    "set_num_threads",
+]

@@ -1,0 +1,80 @@
+"""Format constants, read from the kernel library (the single source of truth).
+
+Everything here is derived from libq4's tables; nothing is restated in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from q4._src import native
+
+QUANT_TYPES = ("nf4", "fp4")
+QUANT_TYPE_CODES = {"nf4": 0, "fp4": 1}
+# dtype name -> kernel dtype code (part of the C ABI)
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+@functools.cache
+def code_table(which: str) -> np.ndarray:
+    """The code book 'nf4' or 'fp4' (16 fp32 values indexed by nibble) or
+    'dynamic' (the 256-entry signed 8-bit dynamic map), as a read-only array."""
+    index = {"nf4": 0, "fp4": 1, "dynamic": 2}
+    if which not in index:
+        raise ValueError(f"code table must be one of {sorted(index)}, got {which!r}")
+    out = np.empty(256 if which == "dynamic" else 16, np.float32)
+    native.check(
+        native.lib().q4_code_table(
+            index[which], out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size
+        )
+    )
+    out.setflags(write=False)
+    return out
+
+
+def min_blocksize() -> int:
+    return int(native.lib().q4_min_blocksize())
+
+
+def max_blocksize() -> int:
+    return int(native.lib().q4_max_blocksize())
+
+
+def nested_blocksize() -> int:
+    return int(native.lib().q4_nested_blocksize())
+
+
+def check_blocksize(blocksize: int) -> int:
+    """Validate a 4-bit/8-bit block size: a power of two in [32, 4096]."""
+    lo, hi = min_blocksize(), max_blocksize()
+    if (
+        isinstance(blocksize, bool)
+        or not isinstance(blocksize, (int, np.integer))
+        or not (lo <= blocksize <= hi)
+        or blocksize & (blocksize - 1)
+    ):
+        raise ValueError(f"blocksize must be a power of two in [{lo}, {hi}], got {blocksize!r}")
+    return int(blocksize)
+
+
+def check_quant_type(quant_type: str) -> int:
+    if quant_type not in QUANT_TYPE_CODES:
+        raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+    return QUANT_TYPE_CODES[quant_type]
+
+
+def check_dtype_name(name: str) -> int:
+    if name not in DTYPE_CODES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {name}")
+    return DTYPE_CODES[name]
+
+
+def num_blocks(n: int, blocksize: int) -> int:
+    return -(-n // blocksize)
+
+
+def packed_bytes(n: int) -> int:
+    return (n + 1) // 2

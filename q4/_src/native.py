@@ -1,0 +1,192 @@
+"""Loads libq4 (the framework-free kernel library) and declares its C ABI.
+
+Search order: the path in ``Q4_LIBRARY``; ``libq4.so`` installed next to this
+package; the CMake build trees under ``<checkout>/build`` (development). The
+first that exists is loaded; failures name the path and the reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+_LIB_NAME = "libq4.so"
+_EXPECTED_ABI = 1
+
+
+class NativeLibraryError(RuntimeError):
+    """libq4 could not be found or loaded."""
+
+
+class KernelError(ValueError):
+    """A kernel rejected its arguments (the message names the bad value)."""
+
+
+def _candidates() -> list[Path]:
+    env = os.environ.get("Q4_LIBRARY")
+    if env:
+        return [Path(env)]
+    here = Path(__file__).resolve().parent.parent
+    found = [here / _LIB_NAME]
+    build = here.parent / "build"
+    if build.is_dir():
+        found += sorted(build.glob(f"*/{_LIB_NAME}"))
+    return found
+
+
+c_void_p, c_int32, c_int64, c_float = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_f32p = ctypes.POINTER(ctypes.c_float)
+_i32p = ctypes.POINTER(ctypes.c_int32)
+
+# name -> (restype, argtypes)
+_SIGNATURES = {
+    "q4_last_error": (ctypes.c_char_p, []),
+    "q4_abi_version": (c_int32, []),
+    "q4_has_cuda": (c_int32, []),
+    "q4_code_table": (c_int32, [c_int32, _f32p, c_int64]),
+    "q4_fp4_rank_order": (c_int32, [_i32p, c_int64]),
+    "q4_min_blocksize": (c_int64, []),
+    "q4_max_blocksize": (c_int64, []),
+    "q4_nested_blocksize": (c_int64, []),
+    "q4_cpu_isa": (c_int32, []),
+    "q4_cpu_has_avx2": (c_int32, []),
+    "q4_set_cpu_isa": (c_int32, [c_int32]),
+    "q4_cpu_num_threads": (c_int32, []),
+    "q4_set_cpu_num_threads": (None, [c_int32]),
+    "q4_quantize_4bit": (
+        c_int32,
+        [c_void_p, c_int32, c_int64, c_int64, c_int32, c_void_p, c_int64, c_void_p, c_int64],
+    ),
+    "q4_dequantize_4bit": (
+        c_int32,
+        [c_void_p, c_int64, c_void_p, c_int64, c_int64, c_int64, c_int32, c_void_p, c_int32],
+    ),
+    "q4_quantize_blockwise": (
+        c_int32,
+        [c_void_p, c_int32, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_int64],
+    ),
+    "q4_dequantize_blockwise": (
+        c_int32,
+        [c_void_p, c_int64, c_void_p, c_int64, c_int64, c_void_p, c_int32, c_float, c_void_p, c_int32],
+    ),
+    "q4_quantize_nested": (c_int32, [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p]),
+}
+
+_CUDA_SIGNATURES = {
+    "q4_cuda_last_error": (ctypes.c_char_p, []),
+    "q4_cuda_device_count": (c_int32, []),
+    **{
+        "q4_cuda_" + name[3:]: (restype, [*args, c_void_p])
+        for name, (restype, args) in _SIGNATURES.items()
+        if name
+        in (
+            "q4_quantize_4bit",
+            "q4_dequantize_4bit",
+            "q4_quantize_blockwise",
+            "q4_dequantize_blockwise",
+            "q4_quantize_nested",
+        )
+    },
+}
+
+_lib: ctypes.CDLL | None = None
+_path: Path | None = None
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _path
+    if _lib is not None:
+        return _lib
+    tried = []
+    for path in _candidates():
+        if not path.exists():
+            tried.append(f"{path} (not found)")
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise NativeLibraryError(f"cannot load q4 kernel library {path}: {e}") from e
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError as e:
+                raise NativeLibraryError(f"{path} lacks symbol {name}: rebuild q4 (pip install .)") from e
+            fn.restype, fn.argtypes = restype, argtypes
+        if lib.q4_has_cuda():
+            for name, (restype, argtypes) in _CUDA_SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+        abi = lib.q4_abi_version()
+        if abi != _EXPECTED_ABI:
+            raise NativeLibraryError(f"{path} has ABI version {abi}, this q4 needs {_EXPECTED_ABI}: rebuild q4")
+        _lib, _path = lib, path
+        return lib
+    raise NativeLibraryError(
+        "cannot find the q4 kernel library; tried: "
+        + "; ".join(tried)
+        + ". Install q4 (pip install . or make test), or set Q4_LIBRARY to a built libq4.so"
+    )
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded kernel library (loaded on first use)."""
+    return _load()
+
+
+def library_path() -> Path:
+    _load()
+    assert _path is not None
+    return _path
+
+
+def check(status: int) -> None:
+    """Raise KernelError with the library's message for a non-zero status."""
+    if status != 0:
+        msg = lib().q4_last_error().decode("utf-8", "replace")
+        raise KernelError(msg or f"q4 kernel failed with status {status}")
+
+
+def check_cuda(status: int) -> None:
+    if status != 0:
+        msg = lib().q4_cuda_last_error().decode("utf-8", "replace")
+        raise KernelError(msg or f"q4 CUDA kernel failed with status {status}")
+
+
+def has_cuda() -> bool:
+    """Whether the library was built with the CUDA kernels."""
+    return bool(lib().q4_has_cuda())
+
+
+def cuda_device_count() -> int:
+    return int(lib().q4_cuda_device_count()) if has_cuda() else 0
+
+
+ISA_NAMES = {0: "scalar", 1: "avx2"}
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels use now: 'scalar' or 'avx2'."""
+    return ISA_NAMES[lib().q4_cpu_isa()]
+
+
+def set_cpu_isa(isa: str) -> None:
+    """Force the CPU kernels onto 'scalar' or 'avx2' (also: env Q4_ISA=scalar)."""
+    codes = {v: k for k, v in ISA_NAMES.items()}
+    if isa not in codes:
+        raise ValueError(f"isa must be one of {sorted(codes)}, got {isa!r}")
+    check(lib().q4_set_cpu_isa(codes[isa]))
+
+
+def cpu_has_avx2() -> bool:
+    return bool(lib().q4_cpu_has_avx2())
+
+
+def num_threads() -> int:
+    return int(lib().q4_cpu_num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the CPU kernels; n <= 0 restores the default
+    (Q4_NUM_THREADS, else OMP_NUM_THREADS, else all cores)."""
+    lib().q4_set_cpu_num_threads(int(n))

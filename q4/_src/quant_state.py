@@ -1,0 +1,182 @@
+"""The 4-bit quantization state, framework-neutral (numpy arrays).
+
+Both front ends convert their QuantState to and from this one, so the
+checkpoint keys and their validation live in one place. Keys (relative to a
+weight's prefix, e.g. ``weight.``), as the bitsandbytes format defines them:
+
+  absmax                 fp32 [n_blocks], or uint8 codes [n_blocks] if nested
+  quant_map              fp32 [16], the code book (must be q4's NF4/FP4 table)
+  nested_absmax          fp32 [ceil(n_blocks/256)]          (nested only)
+  nested_quant_map       fp32 [256], the dynamic map        (nested only)
+  quant_state.bitsandbytes__<nf4|fp4>
+                         uint8 UTF-8 JSON: quant_type, blocksize, dtype, shape
+                         (+ nested_blocksize, nested_dtype, nested_offset)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from q4._src import formats
+
+_JSON_PREFIX = "quant_state.bitsandbytes__"
+
+
+class QuantStateError(ValueError):
+    """A quantization state (or its checkpoint entries) is malformed."""
+
+
+@dataclasses.dataclass
+class QuantState:
+    """Everything needed to dequantize a packed 4-bit tensor.
+
+    Invariants (checked by validate()): absmax has ceil(prod(shape)/blocksize)
+    entries; when nested, absmax holds uint8 codes and nested_absmax has
+    ceil(n_blocks/nested_blocksize) entries.
+    """
+
+    quant_type: str
+    blocksize: int
+    shape: tuple[int, ...]
+    dtype: str  # 'float32' | 'float16' | 'bfloat16': the dtype dequantize returns
+    absmax: np.ndarray
+    nested_absmax: np.ndarray | None = None
+    nested_offset: float | None = None
+    nested_blocksize: int = 256
+
+    @property
+    def nested(self) -> bool:
+        return self.nested_absmax is not None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def n_blocks(self) -> int:
+        return formats.num_blocks(self.numel, self.blocksize)
+
+    def validate(self) -> QuantState:
+        formats.check_quant_type(self.quant_type)
+        formats.check_blocksize(self.blocksize)
+        formats.check_dtype_name(self.dtype)
+        if any(int(s) < 0 for s in self.shape) or self.numel == 0:
+            raise QuantStateError(f"quant_state shape must be non-empty with positive sizes, got {self.shape}")
+        want_dtype = np.uint8 if self.nested else np.float32
+        if self.absmax.dtype != want_dtype or self.absmax.size != self.n_blocks:
+            raise QuantStateError(
+                f"absmax must be {np.dtype(want_dtype).name}[{self.n_blocks}] for shape {self.shape} and blocksize "
+                f"{self.blocksize}, got {self.absmax.dtype}[{self.absmax.size}]"
+            )
+        if self.nested:
+            if self.nested_blocksize != formats.nested_blocksize():
+                raise QuantStateError(f"nested_blocksize must be {formats.nested_blocksize()}, got {self.nested_blocksize}")
+            n2 = formats.num_blocks(self.n_blocks, self.nested_blocksize)
+            if self.nested_absmax.dtype != np.float32 or self.nested_absmax.size != n2:
+                raise QuantStateError(
+                    f"nested_absmax must be float32[{n2}], got {self.nested_absmax.dtype}[{self.nested_absmax.size}]"
+                )
+            if self.nested_offset is None or not math.isfinite(float(self.nested_offset)):
+                raise QuantStateError(f"nested_offset must be a finite number, got {self.nested_offset!r}")
+        return self
+
+    # ---------------------------------------------------------- checkpoints
+
+    def json_dict(self) -> dict:
+        d = {
+            "quant_type": self.quant_type,
+            "blocksize": int(self.blocksize),
+            "dtype": self.dtype,
+            "shape": [int(s) for s in self.shape],
+        }
+        if self.nested:
+            d.update(
+                nested_blocksize=int(self.nested_blocksize),
+                nested_dtype="float32",
+                nested_offset=float(self.nested_offset),
+            )
+        return d
+
+    def to_dict(self) -> dict[str, np.ndarray]:
+        """The checkpoint entries of this state (keys without the weight prefix)."""
+        out = {"absmax": self.absmax, "quant_map": formats.code_table(self.quant_type).copy()}
+        if self.nested:
+            out["nested_absmax"] = self.nested_absmax
+            out["nested_quant_map"] = formats.code_table("dynamic").copy()
+        out[_JSON_PREFIX + self.quant_type] = pack_json(self.json_dict())
+        return out
+
+    @classmethod
+    def from_dict(cls, entries: dict[str, np.ndarray]) -> QuantState:
+        """Rebuild and validate a state from its checkpoint entries (keys without
+        the weight prefix). Errors name the offending key."""
+        json_keys = [k for k in entries if k.startswith(_JSON_PREFIX)]
+        if len(json_keys) != 1:
+            raise QuantStateError(
+                f"expected exactly one '{_JSON_PREFIX}<nf4|fp4>' entry, found {json_keys or 'none'}"
+            )
+        meta = unpack_json(entries[json_keys[0]], json_keys[0])
+        qt = meta.get("quant_type")
+        if json_keys[0] != _JSON_PREFIX + str(qt):
+            raise QuantStateError(f"{json_keys[0]} holds quant_type {qt!r}")
+        for key in ("quant_type", "blocksize", "dtype", "shape"):
+            if key not in meta:
+                raise QuantStateError(f"{json_keys[0]} lacks '{key}'")
+        nested = "nested_offset" in meta
+        required = ["absmax", "quant_map"] + (["nested_absmax", "nested_quant_map"] if nested else [])
+        for key in required:
+            if key not in entries:
+                raise QuantStateError(f"missing checkpoint entry '{key}'")
+        _check_table(entries["quant_map"], str(qt), "quant_map")
+        if nested:
+            _check_table(entries["nested_quant_map"], "dynamic", "nested_quant_map")
+        shape = meta["shape"]
+        if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
+            raise QuantStateError(f"{json_keys[0]}: shape must be a list of ints, got {shape!r}")
+        state = cls(
+            quant_type=str(qt),
+            blocksize=meta["blocksize"],
+            shape=tuple(shape),
+            dtype=str(meta["dtype"]),
+            absmax=np.asarray(entries["absmax"]).reshape(-1),
+            nested_absmax=np.asarray(entries["nested_absmax"]).reshape(-1) if nested else None,
+            nested_offset=meta.get("nested_offset"),
+            nested_blocksize=meta.get("nested_blocksize", 256),
+        )
+        try:
+            return state.validate()
+        except QuantStateError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise QuantStateError(f"{json_keys[0]}: {e}") from e
+
+
+def _check_table(arr, which: str, key: str) -> None:
+    table = formats.code_table(which)
+    arr = np.asarray(arr)
+    if arr.dtype != np.float32 or arr.size != table.size or not np.array_equal(arr.reshape(-1), table):
+        raise QuantStateError(
+            f"'{key}' is not q4's {which} code book ({arr.dtype}[{arr.size}]); custom code books are not supported"
+        )
+
+
+def pack_json(d: dict) -> np.ndarray:
+    """JSON -> uint8 array, byte-identical to the bitsandbytes packing (json.dumps defaults)."""
+    return np.frombuffer(json.dumps(d).encode("utf-8"), np.uint8).copy()
+
+
+def unpack_json(arr, key: str = "quant_state") -> dict:
+    arr = np.asarray(arr)
+    if arr.dtype != np.uint8:
+        raise QuantStateError(f"{key} must be a uint8 tensor of UTF-8 JSON, got {arr.dtype}")
+    try:
+        d = json.loads(arr.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise QuantStateError(f"{key} is not valid UTF-8 JSON (corrupted or truncated?): {e}") from e
+    if not isinstance(d, dict):
+        raise QuantStateError(f"{key} must hold a JSON object, got {type(d).__name__}")
+    return d

@@ -1,0 +1,341 @@
+"""bitsandbytes-shaped functional API over the q4 kernels.
+
+Signatures and defaults follow ``bitsandbytes.functional`` so that code can
+switch by changing the import. Results are bit-identical to bitsandbytes'
+CPU path for the 4-bit formats; see the README for the nested 8-bit absmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+import q4
+from q4._src import formats
+from q4._src.quant_state import QuantState as _NpQuantState
+from q4torch._src import ops
+
+__all__ = [
+    "QuantState",
+    "dequantize_4bit",
+    "dequantize_blockwise",
+    "dequantize_fp4",
+    "dequantize_nf4",
+    "get_4bit_type",
+    "create_dynamic_map",
+    "quantize_4bit",
+    "quantize_blockwise",
+    "quantize_fp4",
+    "quantize_nf4",
+]
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def get_4bit_type(typename: str, device=None) -> torch.Tensor:
+    """The 16-entry code book of 'nf4' or 'fp4' (read from the kernel library)."""
+    formats.check_quant_type(typename)
+    return torch.from_numpy(formats.code_table(typename).copy()).to(device or "cpu")
+
+
+def create_dynamic_map(device=None) -> torch.Tensor:
+    """The signed 8-bit dynamic map (256 sorted values, read from the kernel library)."""
+    return torch.from_numpy(formats.code_table("dynamic").copy()).to(device or "cpu")
+
+
+class QuantState:
+    """Quantization state of a 4-bit (or 8-bit blockwise) tensor, as in bitsandbytes.
+
+    For nested 4-bit states ``absmax`` holds the uint8 codes of
+    (absmax - offset), ``offset`` the fp32 mean and ``state2`` the 8-bit state
+    (its absmax and the dynamic map).
+    """
+
+    valid_quant_types = ("fp4", "nf4")
+    valid_qs_type_keys = [f"bitsandbytes__{x}" for x in valid_quant_types]
+    valid_qs_keys = [
+        "absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
+        "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset",
+    ]
+
+    def __init__(self, absmax, shape=None, code=None, blocksize=None, quant_type=None, dtype=None, offset=None,
+                 state2=None):
+        self.absmax = absmax
+        self.shape = shape
+        self.code = code
+        self.dtype = dtype
+        self.blocksize = blocksize
+        self.quant_type = quant_type
+        self.offset = offset
+        self.state2 = state2
+        self.nested = state2 is not None
+
+    def __getattr__(self, name):
+        # FSDP-style traversal resolves the packed key "quant_state.bitsandbytes__nf4" by getattr.
+        if name.startswith("bitsandbytes__"):
+            packed = self.as_dict(packed=True)
+            key = "quant_state." + name
+            if key in packed:
+                return packed[key]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    # ---------------------------------------------------------------- numpy
+
+    def to_numpy(self) -> _NpQuantState:
+        """The framework-neutral state (validated)."""
+        return _NpQuantState(
+            quant_type=self.quant_type,
+            blocksize=int(self.blocksize),
+            shape=tuple(int(s) for s in self.shape),
+            dtype=_DTYPE_NAMES[self.dtype],
+            absmax=self.absmax.detach().cpu().numpy(),
+            nested_absmax=self.state2.absmax.detach().cpu().numpy() if self.nested else None,
+            nested_offset=float(self.offset) if self.nested else None,
+            nested_blocksize=int(self.state2.blocksize) if self.nested else formats.nested_blocksize(),
+        ).validate()
+
+    @classmethod
+    def from_numpy(cls, st: _NpQuantState, device="cpu") -> QuantState:
+        st.validate()
+        state2 = offset = None
+        if st.nested:
+            offset = torch.tensor(float(st.nested_offset), dtype=torch.float32, device=device)
+            state2 = cls(
+                absmax=torch.from_numpy(np.array(st.nested_absmax)).to(device),
+                blocksize=st.nested_blocksize,
+                code=create_dynamic_map(device),
+                dtype=torch.float32,
+            )
+        return cls(
+            absmax=torch.from_numpy(np.array(st.absmax)).to(device),
+            shape=torch.Size(st.shape),
+            code=get_4bit_type(st.quant_type, device),
+            blocksize=st.blocksize,
+            quant_type=st.quant_type,
+            dtype=_TORCH_DTYPES[st.dtype],
+            offset=offset,
+            state2=state2,
+        )
+
+    # ---------------------------------------------------------- checkpoints
+
+    @classmethod
+    def from_dict(cls, qs_dict: dict[str, Any], device) -> QuantState:
+        """Rebuild from checkpoint entries (prefixes such as 'weight.' are stripped).
+
+        Validates every entry; a corrupted or truncated entry raises
+        q4.QuantStateError naming it.
+        """
+        entries = {}
+        for k, v in qs_dict.items():
+            key = k if k.startswith("quant_state.") else k.split(".")[-1]
+            if "quant_state." in k:
+                key = "quant_state." + k.split("quant_state.")[-1]
+            entries[key] = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+        return cls.from_numpy(_NpQuantState.from_dict(entries), device)
+
+    def as_dict(self, packed: bool = False) -> dict[str, Any]:
+        """Entries for a state dict; packed=True gives tensors only (safetensors-ready),
+        byte-identical to bitsandbytes' packing."""
+        qs = {
+            "quant_type": self.quant_type,
+            "absmax": self.absmax,
+            "blocksize": self.blocksize,
+            "quant_map": self.code,
+            "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch.")),
+            "shape": tuple(self.shape) if self.shape is not None else None,
+        }
+        if self.nested:
+            qs.update(
+                nested_absmax=self.state2.absmax,
+                nested_blocksize=self.state2.blocksize,
+                nested_quant_map=self.state2.code.clone(),
+                nested_dtype=_DTYPE_NAMES.get(self.state2.dtype, str(self.state2.dtype).removeprefix("torch.")),
+                nested_offset=float(self.offset),
+            )
+        if not packed or self.quant_type is None:
+            return qs
+        out = {k: v for k, v in qs.items() if isinstance(v, torch.Tensor)}
+        meta = {k: (list(v) if isinstance(v, tuple) else v) for k, v in qs.items() if not isinstance(v, torch.Tensor)}
+        out["quant_state.bitsandbytes__" + self.quant_type] = torch.from_numpy(
+            q4._src.quant_state.pack_json(meta)
+        )
+        return out
+
+    def to(self, device):
+        self.code = self.code.to(device)
+        self.absmax = self.absmax.to(device)
+        if self.nested:
+            self.offset = self.offset.to(device)
+            self.state2.absmax = self.state2.absmax.to(device)
+            self.state2.code = self.state2.code.to(device)
+
+    def __eq__(self, other):
+        if not isinstance(other, QuantState):
+            return False
+        same = (
+            self.shape == other.shape and self.dtype == other.dtype and self.blocksize == other.blocksize
+            and self.quant_type == other.quant_type and self.nested == other.nested
+            and torch.equal(self.absmax, other.absmax)
+            and (self.code is None) == (other.code is None)
+            and (self.code is None or torch.equal(self.code, other.code))
+        )
+        if same and self.nested:
+            same = torch.equal(self.offset, other.offset) and self.state2 == other.state2
+        return same
+
+    __hash__ = None
+
+
+def _resolve_blocksize(blocksize, default):
+    return formats.check_blocksize(default if blocksize is None else blocksize)
+
+
+def quantize_4bit(
+    A: torch.Tensor,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    compress_statistics: bool = False,
+    quant_type: str = "fp4",
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
+    """Quantize A (fp32/fp16/bf16, any shape; a non-contiguous A is copied) to
+    4 bits in blocks of `blocksize` (default 64) consecutive elements.
+
+    Returns (packed [ceil(n/2), 1] of quant_storage, QuantState). With
+    compress_statistics the absmax is itself quantized (nested, block 256).
+    NaN in a block makes its absmax NaN and every nibble 15; see the README.
+    """
+    if not isinstance(A, torch.Tensor):
+        raise TypeError(f"A must be a torch.Tensor, got {type(A).__name__}")
+    bs = _resolve_blocksize(blocksize, 64)
+    packed, _absmax = ops.quantize_4bit(A, bs, quant_type)
+    if quant_storage != torch.uint8:
+        if packed.numel() * 1 % quant_storage.itemsize:
+            raise ValueError(
+                f"{packed.numel()} packed bytes cannot be viewed as {quant_storage} "
+                f"(itemsize {quant_storage.itemsize})"
+            )
+        packed = packed.squeeze(1).view(quant_storage).unsqueeze(1)
+    code = get_4bit_type(quant_type, A.device)
+    if compress_statistics:
+        codes, absmax2, offset = ops.quantize_nested(_absmax)
+        state2 = QuantState(absmax=absmax2, code=create_dynamic_map(A.device), blocksize=formats.nested_blocksize(),
+                            dtype=torch.float32)
+        state = QuantState(absmax=codes, shape=A.shape, dtype=A.dtype, blocksize=bs, code=code,
+                           quant_type=quant_type, offset=offset, state2=state2)
+    else:
+        state = QuantState(absmax=_absmax, shape=A.shape, dtype=A.dtype, blocksize=bs, code=code,
+                           quant_type=quant_type)
+    if out is not None:
+        packed = out.copy_(packed)
+    if absmax is not None:
+        state.absmax = absmax.copy_(state.absmax)
+    return packed, state
+
+
+def _state_absmax(state: QuantState) -> torch.Tensor:
+    """The fp32 per-block absmax of a state (decoding a nested one)."""
+    if not state.nested:
+        return state.absmax.float() if state.absmax.dtype != torch.float32 else state.absmax
+    s2 = state.state2
+    return ops.dequantize_blockwise(state.absmax, s2.absmax, s2.code, s2.blocksize, torch.float32, state.offset)
+
+
+def dequantize_4bit(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int | None = None,
+    quant_type: str = "fp4",
+) -> torch.Tensor:
+    """Dequantize packed 4-bit data: decode(nibble) * absmax[block] in fp32,
+    rounded to the state's dtype (exactly bitsandbytes' values)."""
+    if quant_state is None:
+        if absmax is None or out is None:
+            raise ValueError("dequantize_4bit needs quant_state, or both absmax and out")
+        quant_state = QuantState(absmax=absmax, shape=out.shape, dtype=out.dtype,
+                                 blocksize=_resolve_blocksize(blocksize, 64), quant_type=quant_type)
+    packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
+    result = ops.dequantize_4bit(
+        packed.reshape(-1), _state_absmax(quant_state), quant_state.blocksize, quant_state.quant_type,
+        list(quant_state.shape), quant_state.dtype,
+    )
+    if out is not None:
+        result = out.copy_(result)
+    return result.t() if A.shape[0] == 1 else result
+
+
+def quantize_fp4(A, absmax=None, out=None, blocksize=None, compress_statistics=False, quant_storage=torch.uint8):
+    return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "fp4", quant_storage)
+
+
+def quantize_nf4(A, absmax=None, out=None, blocksize=None, compress_statistics=False, quant_storage=torch.uint8):
+    return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "nf4", quant_storage)
+
+
+def dequantize_fp4(A, quant_state=None, absmax=None, out=None, blocksize=None):
+    return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
+
+
+def dequantize_nf4(A, quant_state=None, absmax=None, out=None, blocksize=None):
+    return dequantize_4bit(A, quant_state, absmax, out, blocksize, "nf4")
+
+
+def quantize_blockwise(
+    A: torch.Tensor,
+    code: torch.Tensor | None = None,
+    absmax: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    nested: bool = False,
+) -> tuple[torch.Tensor, QuantState]:
+    """8-bit blockwise quantization with the dynamic map (or `code`): each
+    element gets the code whose reconstruction code[j] * absmax is nearest."""
+    if not isinstance(A, torch.Tensor):
+        raise TypeError(f"A must be a torch.Tensor, got {type(A).__name__}")
+    bs = formats.check_blocksize(blocksize)
+    code = create_dynamic_map(A.device) if code is None else code.to(A.device)
+    _out, _absmax = ops.quantize_blockwise(A, code, bs)
+    if nested:
+        offset = _absmax.mean()
+        qabsmax, state2 = quantize_blockwise(_absmax - offset, blocksize=bs, nested=False)
+        state = QuantState(absmax=qabsmax, code=code.clone(), blocksize=bs, dtype=A.dtype, offset=offset,
+                           state2=state2)
+    else:
+        state = QuantState(absmax=_absmax, code=code.clone(), blocksize=bs, dtype=A.dtype)
+    if out is not None:
+        _out = out.copy_(_out)
+    if absmax is not None:
+        state.absmax = absmax.copy_(state.absmax)
+    return _out, state
+
+
+def dequantize_blockwise(
+    A: torch.Tensor,
+    quant_state: QuantState | None = None,
+    absmax: torch.Tensor | None = None,
+    code: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    blocksize: int = 4096,
+    nested: bool = False,
+) -> torch.Tensor:
+    """Inverse of quantize_blockwise: code[A] * absmax[block] in the state's dtype."""
+    if quant_state is None:
+        if absmax is None:
+            raise ValueError("dequantize_blockwise needs quant_state or absmax")
+        quant_state = QuantState(absmax=absmax, code=create_dynamic_map(A.device) if code is None else code,
+                                 blocksize=blocksize, dtype=torch.float32)
+    scale = quant_state.absmax
+    if quant_state.state2 is not None:
+        s2 = quant_state.state2
+        scale = ops.dequantize_blockwise(scale, s2.absmax, s2.code, s2.blocksize, torch.float32, quant_state.offset)
+    result = ops.dequantize_blockwise(A, scale, quant_state.code, quant_state.blocksize, quant_state.dtype)
+    if out is not None:
+        result = out.copy_(result)
+    return result
