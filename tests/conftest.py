@@ -1,0 +1,50 @@
+"""Shared fixtures: seeded inputs, the device fixture, the reference oracle on sys.path."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import q4  # noqa: E402
+
+
+def pytest_report_header(config):
+    return [
+        f"q4 library: {q4.library_path()} (isa {q4.cpu_isa()}, {q4.num_threads()} threads, cuda={q4.has_cuda()})"
+    ]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def available_devices() -> list[str]:
+    """'cpu', plus 'cuda' when a GPU is present and the library has CUDA kernels.
+    Q4_TEST_DEVICES=cpu,cuda overrides."""
+    env = os.environ.get("Q4_TEST_DEVICES")
+    if env:
+        return env.split(",")
+    return ["cpu"] + (["cuda"] if q4.cuda_device_count() > 0 else [])
+
+
+@pytest.fixture(params=available_devices())
+def device(request):
+    return request.param
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def isa(request):
+    """Run a test once per CPU path (AVX2 skipped on processors without it)."""
+    if request.param == "avx2" and not q4.cpu_has_avx2():
+        pytest.skip("processor lacks AVX2")
+    before = q4.cpu_isa()
+    q4.set_cpu_isa(request.param)
+    yield request.param
+    q4.set_cpu_isa(before)
