@@ -122,13 +122,13 @@ __device__ V block_reduce(V v, F op, V* scratch) {
 // (2^(e-150) for biased exponent e, subnormals e=1), every partial sum of any
 // subset is a multiple of u bounded by sum|a|, hence exact in fp64 whenever
 // sum|a| < 2^53 u; then every summation order gives the same double. Otherwise
-// (non-finite values, or a dynamic range beyond 2^29 / n) thread 0 redoes the
-// sum sequentially in the CPU's order.
+// (a non-finite value, or magnitudes spread wider than about 2^28 / n) thread 0
+// redoes the sum sequentially in the CPU's order.
 __global__ void __launch_bounds__(kMeanThreads) mean_kernel(const float* a, int64_t n, float* offset) {
   __shared__ double dscratch[kMeanThreads / 32];
   __shared__ int iscratch[kMeanThreads / 32];
   double sum = 0.0, sum_abs = 0.0;
-  int emin = 255;  // 255: no nonzero finite value seen; 256: a non-finite value seen
+  int emin = 255;  // smallest biased exponent of a nonzero finite value (255: none)
   int nonfinite = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const float v = a[i];

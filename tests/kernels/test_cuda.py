@@ -7,10 +7,10 @@ The one exception is the payload of a NaN (x86 propagates an operand's
 payload, CUDA returns the canonical NaN): NaN positions must match, payloads
 are not part of the format.
 
-The library is loaded with ctypes from $Q4_LIBRARY (a libq4.so built with
-CUDA); device memory comes from torch CUDA tensors and work is enqueued on
-torch's current stream. Tests that launch kernels run only where a GPU is
-present; the argument-check tests run on any CUDA build.
+The library is loaded with ctypes from $Q4_LIBRARY (else the library the q4
+package loads); device memory comes from torch CUDA tensors and work is
+enqueued on torch's current stream. Tests that launch kernels run only where a
+GPU is present; the argument-check tests run on any build with CUDA kernels.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import zlib
 
 import numpy as np
 import pytest
+from reference import inputs
 
 torch = pytest.importorskip("torch")
 
 _PATH = os.environ.get("Q4_LIBRARY")
 if not _PATH:
-    pytest.skip("set Q4_LIBRARY to a libq4.so built with CUDA", allow_module_level=True)
+    import q4
+
+    _PATH = str(q4.library_path())
 LIB = ctypes.CDLL(_PATH)
 if not LIB.q4_has_cuda():
     pytest.skip(f"{_PATH} was built without the CUDA kernels", allow_module_level=True)
@@ -78,15 +81,37 @@ def quantize_4bit(x, blocksize, qt):
     n = x.numel()
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=x.device)
-    _call("quantize_4bit", x.device, _ptr(x), DTYPE_CODE[x.dtype], n, blocksize, qt,
-          _ptr(packed), packed.numel(), _ptr(absmax), absmax.numel())
+    _call(
+        "quantize_4bit",
+        x.device,
+        _ptr(x),
+        DTYPE_CODE[x.dtype],
+        n,
+        blocksize,
+        qt,
+        _ptr(packed),
+        packed.numel(),
+        _ptr(absmax),
+        absmax.numel(),
+    )
     return packed, absmax
 
 
 def dequantize_4bit(packed, absmax, n, blocksize, qt, dtype):
     out = torch.empty(n, dtype=dtype, device=packed.device)
-    _call("dequantize_4bit", packed.device, _ptr(packed), packed.numel(), _ptr(absmax), absmax.numel(), n,
-          blocksize, qt, _ptr(out), DTYPE_CODE[dtype])
+    _call(
+        "dequantize_4bit",
+        packed.device,
+        _ptr(packed),
+        packed.numel(),
+        _ptr(absmax),
+        absmax.numel(),
+        n,
+        blocksize,
+        qt,
+        _ptr(out),
+        DTYPE_CODE[dtype],
+    )
     return out
 
 
@@ -94,15 +119,38 @@ def quantize_blockwise(x, blocksize, code):
     n = x.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     absmax = torch.empty(-(-n // blocksize), dtype=torch.float32, device=x.device)
-    _call("quantize_blockwise", x.device, _ptr(x), DTYPE_CODE[x.dtype], n, blocksize, _ptr(code),
-          _ptr(codes), n, _ptr(absmax), absmax.numel())
+    _call(
+        "quantize_blockwise",
+        x.device,
+        _ptr(x),
+        DTYPE_CODE[x.dtype],
+        n,
+        blocksize,
+        _ptr(code),
+        _ptr(codes),
+        n,
+        _ptr(absmax),
+        absmax.numel(),
+    )
     return codes, absmax
 
 
 def dequantize_blockwise(codes, absmax, blocksize, code, add_offset, offset, dtype):
     out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
-    _call("dequantize_blockwise", codes.device, _ptr(codes), codes.numel(), _ptr(absmax), absmax.numel(),
-          blocksize, _ptr(code), int(add_offset), offset, _ptr(out), DTYPE_CODE[dtype])
+    _call(
+        "dequantize_blockwise",
+        codes.device,
+        _ptr(codes),
+        codes.numel(),
+        _ptr(absmax),
+        absmax.numel(),
+        blocksize,
+        _ptr(code),
+        int(add_offset),
+        offset,
+        _ptr(out),
+        DTYPE_CODE[dtype],
+    )
     return out
 
 
@@ -111,8 +159,7 @@ def quantize_nested(absmax):
     codes = torch.empty(n, dtype=torch.uint8, device=absmax.device)
     absmax2 = torch.empty(-(-n // NESTED_BLOCKSIZE), dtype=torch.float32, device=absmax.device)
     offset = torch.empty(1, dtype=torch.float32, device=absmax.device)
-    _call("quantize_nested", absmax.device, _ptr(absmax), n, _ptr(codes), _ptr(absmax2), absmax2.numel(),
-          _ptr(offset))
+    _call("quantize_nested", absmax.device, _ptr(absmax), n, _ptr(codes), _ptr(absmax2), absmax2.numel(), _ptr(offset))
     return codes, absmax2, offset
 
 
@@ -140,23 +187,24 @@ def rng_for(test_id: str) -> np.random.Generator:
 
 
 def make_input(rng: np.random.Generator, n: int, blocksize: int, kind: str) -> np.ndarray:
-    """fp32 test data. 'special': an all-zero block, a NaN, an inf, subnormals,
-    a constant block and a value of ten times the rest (one dominant absmax)."""
-    x = (rng.standard_normal(n) * 3.0).astype(np.float32)
-    if kind == "special":
-        starts = np.arange(0, n, blocksize)
+    """fp32 test data. 'special': the shared special values (+-0, denormals,
+    huge values, code points) plus an all-zero block, a denormal block, a
+    constant block, a NaN and an inf."""
+    if kind == "randn":
+        return (rng.standard_normal(n) * 3.0).astype(np.float32)
+    x = inputs.special_values(rng, n)
+    starts = np.arange(0, n, blocksize)
 
-        def block() -> slice:
-            s = int(rng.choice(starts))
-            return slice(s, min(n, s + blocksize))
+    def block() -> slice:
+        s = int(rng.choice(starts))
+        return slice(s, min(n, s + blocksize))
 
-        x[block()] = 0.0
-        b = block()
-        x[b] = (rng.standard_normal(b.stop - b.start) * 1e-39).astype(np.float32)  # subnormal
-        x[block()] = np.float32(0.3)
-        x[int(rng.integers(0, n))] *= 10.0
-        x[int(rng.integers(0, n))] = np.nan
-        x[int(rng.integers(0, n))] = -np.inf
+    x[block()] = 0.0
+    b = block()
+    x[b] = (rng.standard_normal(b.stop - b.start) * 1e-39).astype(np.float32)
+    x[block()] = np.float32(0.3)
+    x[int(rng.integers(0, n))] = np.nan
+    x[int(rng.integers(0, n))] = -np.inf
     return x
 
 
@@ -272,8 +320,9 @@ def test_nested_matches_cpu(request, kind, n_blocks):
 
 
 @requires_gpu
-def test_side_stream_is_used():
-    """Work is enqueued on the stream passed in (here a non-default one)."""
+def test_on_a_side_stream():
+    """Launched on a non-default stream (torch's current one inside the context):
+    same bytes once that stream is synchronised."""
     x = to_torch(make_input(rng_for("side-stream"), 1 << 20, 64, "randn"), torch.bfloat16)
     packed, absmax = quantize_4bit(x, 64, 0)
     stream = torch.cuda.Stream()

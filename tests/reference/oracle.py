@@ -113,7 +113,8 @@ def dequantize_4bit(packed, absmax, n: int, blocksize: int, quant_type: str) -> 
 
 def quantize_blockwise(x: np.ndarray, blocksize: int, code: np.ndarray | None = None):
     """8-bit: per block absmax = max|x|; index = argmin_j |fp32(code[j]*absmax) - x|
-    (first index on ties); NaN -> 255."""
+    (first index on ties); NaN -> 255. A block with an infinite absmax uses the
+    nearest code to x * (1/absmax) instead."""
     code = dynamic_map() if code is None else np.asarray(code, F32)
     x = np.asarray(x, F32).reshape(-1)
     out = np.empty(x.size, np.uint8)
@@ -123,8 +124,13 @@ def quantize_blockwise(x: np.ndarray, blocksize: int, code: np.ndarray | None = 
             blk = x[start:end]
             amax = _absmax(blk)
             absmax.append(amax)
-            recon = (code[None, :] * _floor(amax)).astype(F32)
-            idx = np.argmin(np.abs(recon - blk[:, None]), axis=1).astype(np.uint8)
+            if np.isinf(amax):
+                s = blk * (F32(1) / amax)
+                idx = np.argmin(np.abs(code[None, :] - s[:, None]), axis=1).astype(np.uint8)
+                idx[np.isnan(s)] = 255
+            else:
+                recon = (code[None, :] * _floor(amax)).astype(F32)
+                idx = np.argmin(np.abs(recon - blk[:, None]), axis=1).astype(np.uint8)
             idx[np.isnan(blk) | np.isnan(amax)] = 255
             out[start:end] = idx
     return out, np.array(absmax, F32)
@@ -138,9 +144,9 @@ def dequantize_blockwise(codes, absmax, blocksize: int, code=None, offset=None) 
     return out if offset is None else (out + F32(offset)).astype(F32)
 
 
-def quantize_nested(absmax: np.ndarray):
+def quantize_nested(absmax: np.ndarray, code: np.ndarray | None = None):
     """offset = fp32(mean in fp64); 8-bit blockwise (256) of fp32(absmax - offset)."""
     absmax = np.asarray(absmax, F32)
     offset = F32(np.mean(absmax.astype(np.float64)))
-    codes, absmax2 = quantize_blockwise((absmax - offset).astype(F32), 256)
+    codes, absmax2 = quantize_blockwise((absmax - offset).astype(F32), 256, code)
     return codes, absmax2, offset

@@ -105,7 +105,8 @@ static_assert(detail::sorted_strictly(), "dynamic map must be sorted with 0 at 1
 // (the value dequantization reproduces), ties to the lower index. A binary
 // search over the scaled value finds the neighbourhood; the final choice is
 // made in the reconstruction domain so rounding of x / absmax cannot pick a
-// worse code. NaN encodes as 255.
+// worse code. NaN encodes as 255. With an infinite absmax (the block holds an
+// inf) the nearest code to the scaled value x * 0 is used instead.
 Q4_HD int encode8_nearest(const float* code, float x, float absmax, float inv) {
   const float s = x * inv;
   if (s != s) return 255;
@@ -117,6 +118,8 @@ Q4_HD int encode8_nearest(const float* code, float x, float absmax, float inv) {
     else
       hi = mid;
   }
+  if (!(absmax <= 3.40282347e+38f))  // inf: reconstruction errors are not comparable
+    return (lo > 0 && s - code[lo - 1] <= code[lo] - s) ? lo - 1 : lo;
   int best = lo > 0 ? lo - 1 : lo;
   float best_err = fabsf(code[best] * absmax - x);
   for (int j = best + 1; j <= lo + 1 && j < 256; ++j) {
