@@ -140,8 +140,9 @@ def dequantize_blockwise(codes, absmax, blocksize: int, code=None, offset=None) 
     code = dynamic_map() if code is None else np.asarray(code, F32)
     codes = np.asarray(codes).reshape(-1)
     scale = np.repeat(np.asarray(absmax, F32), blocksize)[: codes.size]
-    out = (code[codes] * scale).astype(F32)
-    return out if offset is None else (out + F32(offset)).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = (code[codes] * scale).astype(F32)
+        return out if offset is None else (out + F32(offset)).astype(F32)
 
 
 def quantize_nested(absmax: np.ndarray, code: np.ndarray | None = None):
