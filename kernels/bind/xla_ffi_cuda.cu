@@ -20,11 +20,6 @@
 namespace ffi = xla::ffi;
 
 namespace q4 {
-namespace cuda {
-// blockwise.cu: dequantize_blockwise with the offset read from device memory.
-Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, const float* offset, void* stream);
-}  // namespace cuda
-
 namespace xla_cuda_bind {
 namespace {
 

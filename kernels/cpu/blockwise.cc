@@ -50,6 +50,7 @@ void quantize_blocks(const T* x, int64_t n, int64_t bs, const float* code, uint8
 
 Status quantize_blockwise(const QuantizeBlockwiseParams& p) {
   Status s = validate(p);
+  if (s.ok()) s = validate_code_book(p.code);
   if (!s.ok()) return s;
   const CodeBook book(p.code);
   const int64_t grain = std::max<int64_t>(1, kGrainElements / p.blocksize);

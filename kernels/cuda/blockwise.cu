@@ -20,9 +20,6 @@
 namespace q4 {
 namespace cuda {
 
-// Used by the XLA FFI handlers, where the offset is an operand in device memory.
-Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, const float* offset, void* stream);
-
 namespace {
 
 constexpr int kWarpsPerCta = 8;        // quantize: one warp per quantization block
@@ -155,11 +152,9 @@ __global__ void __launch_bounds__(kMeanThreads) mean_kernel(const float* a, int6
 }  // namespace
 
 Status quantize_blockwise(const QuantizeBlockwiseParams& p, void* stream) {
-  // p.code is device memory: validate everything but the code book's order
-  // (an unsorted book still yields in-range indices).
-  QuantizeBlockwiseParams v = p;
-  v.code = nullptr;
-  Status s = validate(v);
+  // p.code is device memory, so its order is not checked here (an unsorted
+  // book still yields in-range indices); the front ends pass sorted books.
+  Status s = validate(p);
   if (!s.ok()) return s;
   const int grid = int(std::min(ceil_div(p.absmax_size, kWarpsPerCta), kMaxGrid));
   Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {

@@ -3,7 +3,8 @@
 // is 1. Nibble 8 (the "negative zero" pattern) decodes to +0.0, as in the
 // reference format. Encoding picks the nearest value through the midpoints of
 // the values sorted ascending with a stable sort (so of the two zeros, nibble 0
-// ranks first: s in (-0.0026, 0] -> 0, s in (0, 0.0026] -> 8).
+// ranks first: s in (-0.0026, 0] -> 0, s in (0, 0.0026] -> 8). NaN ranks last and
+// so encodes as nibble 3 (+1.0).
 #pragma once
 
 #include "q4/common.h"

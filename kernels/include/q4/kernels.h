@@ -109,6 +109,9 @@ Status dequantize_4bit(const Dequantize4bitParams& p, void* stream);
 Status quantize_blockwise(const QuantizeBlockwiseParams& p, void* stream);
 Status dequantize_blockwise(const DequantizeBlockwiseParams& p, void* stream);
 Status quantize_nested(const QuantizeNestedParams& p, void* stream);
+// dequantize_blockwise with the offset read from device memory (XLA passes it
+// as a buffer); offset == nullptr means no offset.
+Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, const float* offset, void* stream);
 }  // namespace cuda
 #endif
 
@@ -118,6 +121,8 @@ Status validate(const Dequantize4bitParams& p);
 Status validate(const QuantizeBlockwiseParams& p);
 Status validate(const DequantizeBlockwiseParams& p);
 Status validate(const QuantizeNestedParams& p);
+// A host-memory code book must be sorted ascending (null = dynamic map).
+Status validate_code_book(const float* code);
 
 // Runtime configuration of the CPU kernels.
 enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1 };
