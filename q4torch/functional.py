@@ -190,6 +190,13 @@ class QuantState:
     __hash__ = None
 
 
+def _check_tensors(**named) -> None:
+    """A must be a tensor; optional tensor arguments must be tensors or None."""
+    for name, value in named.items():
+        if (value is not None or name == "A") and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor{'' if name == 'A' else ' or None'}, got {type(value).__name__}")
+
+
 def _resolve_blocksize(blocksize, default):
     return formats.check_blocksize(default if blocksize is None else blocksize)
 
@@ -210,8 +217,7 @@ def quantize_4bit(
     compress_statistics the absmax is itself quantized (nested, block 256).
     NaN in a block makes its absmax NaN and every nibble 15; see the README.
     """
-    if not isinstance(A, torch.Tensor):
-        raise TypeError(f"A must be a torch.Tensor, got {type(A).__name__}")
+    _check_tensors(A=A, absmax=absmax, out=out)
     bs = _resolve_blocksize(blocksize, 64)
     packed, _absmax = ops.quantize_4bit(A, bs, quant_type)
     if quant_storage != torch.uint8:
@@ -297,8 +303,7 @@ def quantize_blockwise(
 ) -> tuple[torch.Tensor, QuantState]:
     """8-bit blockwise quantization with the dynamic map (or `code`): each
     element gets the code whose reconstruction code[j] * absmax is nearest."""
-    if not isinstance(A, torch.Tensor):
-        raise TypeError(f"A must be a torch.Tensor, got {type(A).__name__}")
+    _check_tensors(A=A, code=code, absmax=absmax, out=out)
     bs = formats.check_blocksize(blocksize)
     code = create_dynamic_map(A.device) if code is None else code.to(A.device)
     _out, _absmax = ops.quantize_blockwise(A, code, bs)

@@ -63,13 +63,49 @@ void dequantize_block_scalar(const uint8_t* packed, int64_t len, float absmax, T
 }
 
 #if Q4_HAVE_AVX2_CODE
+// Rank of s among the 15 sorted midpoints (= number of midpoints m with
+// !(s <= m)) by a 4-level branchless binary search: level k compares against
+// the midpoint selected by the bits found so far. Equal to the linear count
+// because the midpoints are strictly increasing; NaN compares above all.
+struct RankTables {
+  __m256 m7, m3, m11;
+  __m256 level3;  // midpoints 1, 5, 9, 13 (index = 2*b3 + b2)
+  __m256 level4;  // midpoints 0, 2, ..., 14 (index = 4*b3 + 2*b2 + b1)
+};
+
+template <QuantType QT>
+Q4_AVX2 RankTables rank_tables() {
+  RankTables t;
+  t.m7 = _mm256_set1_ps(Code4<QT>::midpoint(7));
+  t.m3 = _mm256_set1_ps(Code4<QT>::midpoint(3));
+  t.m11 = _mm256_set1_ps(Code4<QT>::midpoint(11));
+  t.level3 = _mm256_setr_ps(Code4<QT>::midpoint(1), Code4<QT>::midpoint(5), Code4<QT>::midpoint(9),
+                            Code4<QT>::midpoint(13), 0.f, 0.f, 0.f, 0.f);
+  t.level4 = _mm256_setr_ps(Code4<QT>::midpoint(0), Code4<QT>::midpoint(2), Code4<QT>::midpoint(4),
+                            Code4<QT>::midpoint(6), Code4<QT>::midpoint(8), Code4<QT>::midpoint(10),
+                            Code4<QT>::midpoint(12), Code4<QT>::midpoint(14));
+  return t;
+}
+
+Q4_AVX2 __m256i rank15(const RankTables& t, __m256 s) {
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256 c1 = _mm256_cmp_ps(s, t.m7, _CMP_NLE_UQ);
+  const __m256 c2 = _mm256_cmp_ps(s, _mm256_blendv_ps(t.m3, t.m11, c1), _CMP_NLE_UQ);
+  // idx = 2*b3 + b2
+  __m256i idx = _mm256_or_si256(_mm256_and_si256(_mm256_castps_si256(c1), _mm256_set1_epi32(2)),
+                                _mm256_and_si256(_mm256_castps_si256(c2), one));
+  const __m256 c3 = _mm256_cmp_ps(s, _mm256_permutevar8x32_ps(t.level3, idx), _CMP_NLE_UQ);
+  idx = _mm256_or_si256(_mm256_slli_epi32(idx, 1), _mm256_and_si256(_mm256_castps_si256(c3), one));
+  const __m256 c4 = _mm256_cmp_ps(s, _mm256_permutevar8x32_ps(t.level4, idx), _CMP_NLE_UQ);
+  return _mm256_or_si256(_mm256_slli_epi32(idx, 1), _mm256_and_si256(_mm256_castps_si256(c4), one));
+}
+
 // Full blocks only (len a multiple of 32).
 template <QuantType QT, typename T>
 Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float* absmax_out) {
   const float amax = avx2::absmax(x, len);
   const __m256 inv = _mm256_set1_ps(1.0f / absmax_floor(amax));
-  __m256 mid[15];
-  for (int r = 0; r < 15; ++r) mid[r] = _mm256_set1_ps(Code4<QT>::midpoint(r));
+  const RankTables tables = rank_tables<QT>();
   alignas(16) uint8_t rank_to_nibble[16];
   for (int r = 0; r < 16; ++r) rank_to_nibble[r] = uint8_t(Code4<QT>::nibble_of_rank(r));
   const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(rank_to_nibble)));
@@ -77,13 +113,7 @@ Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float
   const __m256i fix_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < len; i += 32) {
     __m256i rank[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256 s = _mm256_mul_ps(avx2::Vec<T>::load(x + i + 8 * k), inv);
-      __m256i r = _mm256_setzero_si256();
-      for (int m = 0; m < 15; ++m)  // !(s <= mid): NaN counts above every midpoint
-        r = _mm256_sub_epi32(r, _mm256_castps_si256(_mm256_cmp_ps(s, mid[m], _CMP_NLE_UQ)));
-      rank[k] = r;
-    }
+    for (int k = 0; k < 4; ++k) rank[k] = rank15(tables, _mm256_mul_ps(avx2::Vec<T>::load(x + i + 8 * k), inv));
     // int32 ranks -> 32 bytes in element order
     const __m256i ab = _mm256_packus_epi32(rank[0], rank[1]);
     const __m256i cd = _mm256_packus_epi32(rank[2], rank[3]);

@@ -1,0 +1,43 @@
+# q4: `make demo` and `make test` set up .venv from this project's own files.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+BAZEL_LIB := build/bazel-lib/libq4.so
+
+.PHONY: demo test install lint bazel bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Build requirements first, so the package builds without isolation (jaxlib
+# provides the XLA FFI headers; the project's CMake build compiles the CUDA
+# kernels too when nvcc is on PATH).
+$(VENV)/.build-deps: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "scikit-build-core>=0.10" ninja "torch==2.13.0" "jax[cpu]==0.10.2"
+	touch $@
+
+install: $(VENV)/.build-deps
+	$(BIN)/pip install -q --no-build-isolation ".[test]"
+
+lint: install
+	$(BIN)/ruff check q4 q4torch q4jax tests benchmarks examples
+	$(BIN)/ruff format --check q4 q4torch q4jax tests benchmarks examples
+
+bazel: install
+	scripts/ensure_bazel.sh
+	scripts/bazel_build.sh $(BIN)/python build/bazel-lib
+
+test: lint bazel
+	$(BIN)/pytest
+	@echo "== kernel tests against the Bazel-built library ($(BAZEL_LIB))"
+	Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/reference -q
+
+demo: install
+	$(BIN)/python examples/quickstart.py
+
+bench: install
+	$(BIN)/python benchmarks/kernels.py
+
+clean:
+	rm -rf build $(VENV)
