@@ -7,6 +7,7 @@ CPU path for the 4-bit formats; see the README for the nested 8-bit absmax.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -268,12 +269,19 @@ def dequantize_4bit(
         quant_state = QuantState(absmax=absmax, shape=out.shape, dtype=out.dtype,
                                  blocksize=_resolve_blocksize(blocksize, 64), quant_type=quant_type)
     packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
-    result = ops.dequantize_4bit(
-        packed.reshape(-1), _state_absmax(quant_state), quant_state.blocksize, quant_state.quant_type,
-        list(quant_state.shape), quant_state.dtype,
-    )
-    if out is not None:
-        result = out.copy_(result)
+    absmax = _state_absmax(quant_state)
+    if out is not None and out.is_contiguous() and out.dtype == quant_state.dtype and out.numel() == math.prod(
+        quant_state.shape
+    ):
+        ops.dequantize_4bit_out(packed.reshape(-1), absmax, quant_state.blocksize, quant_state.quant_type, out)
+        result = out
+    else:
+        result = ops.dequantize_4bit(
+            packed.reshape(-1), absmax, quant_state.blocksize, quant_state.quant_type,
+            list(quant_state.shape), quant_state.dtype,
+        )
+        if out is not None:
+            result = out.copy_(result)
     return result.t() if A.shape[0] == 1 else result
 
 

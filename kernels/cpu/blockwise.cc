@@ -66,6 +66,7 @@ Status dequantize_blockwise(const DequantizeBlockwiseParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
   const CodeBook book(p.code);
+  hint_fresh_output(p.out, p.n * (p.out_dtype == kF32 ? 4 : 2));
   Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
     T* out = static_cast<T*>(p.out);
     parallel_for(p.n, kGrainElements, [&](int64_t i0, int64_t i1) {
@@ -86,12 +87,14 @@ Status quantize_nested(const QuantizeNestedParams& p) {
   const float offset = static_cast<float>(sum / static_cast<double>(p.n_blocks));
   // centred = fp32(absmax - offset), quantized in blocks of 256 with the dynamic map
   const CodeBook book(nullptr);
-  float centred[kNestedBlocksize];
-  for (int64_t b = 0; b * kNestedBlocksize < p.n_blocks; ++b) {
-    const int64_t start = b * kNestedBlocksize, len = std::min(kNestedBlocksize, p.n_blocks - start);
-    for (int64_t i = 0; i < len; ++i) centred[i] = p.absmax[start + i] - offset;
-    quantize_blocks<float>(centred, len, kNestedBlocksize, book.v, p.codes + start, p.absmax2 + b, 0, 1);
-  }
+  parallel_for(p.absmax2_size, 16, [&](int64_t b0, int64_t b1) {
+    float centred[kNestedBlocksize];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * kNestedBlocksize, len = std::min(kNestedBlocksize, p.n_blocks - start);
+      for (int64_t i = 0; i < len; ++i) centred[i] = p.absmax[start + i] - offset;
+      quantize_blocks<float>(centred, len, kNestedBlocksize, book.v, p.codes + start, p.absmax2 + b, 0, 1);
+    }
+  });
   *p.offset = offset;
   return Status::Ok();
 }

@@ -1,6 +1,7 @@
 #include "parallel.h"
 
 #include <pthread.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <condition_variable>
@@ -129,6 +130,19 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
     t_in_parallel = false;
   };
   pool().run(chunks, chunk_fn);
+}
+
+void hint_fresh_output(void* ptr, int64_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (bytes < int64_t(4 * kHuge)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(ptr) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(ptr) + uintptr_t(bytes)) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
 }
 
 }  // namespace cpu

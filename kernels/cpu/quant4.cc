@@ -126,23 +126,64 @@ Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float
   *absmax_out = amax;
 }
 
+template <QuantType QT>
+Q4_AVX2 __m256 code_lo() {
+  return _mm256_setr_ps(Code4<QT>::decode(0), Code4<QT>::decode(1), Code4<QT>::decode(2), Code4<QT>::decode(3),
+                        Code4<QT>::decode(4), Code4<QT>::decode(5), Code4<QT>::decode(6), Code4<QT>::decode(7));
+}
+template <QuantType QT>
+Q4_AVX2 __m256 code_hi() {
+  return _mm256_setr_ps(Code4<QT>::decode(8), Code4<QT>::decode(9), Code4<QT>::decode(10), Code4<QT>::decode(11),
+                        Code4<QT>::decode(12), Code4<QT>::decode(13), Code4<QT>::decode(14), Code4<QT>::decode(15));
+}
+
+// Dequantize one full block. The 16 possible outputs of the block are
+// computed once (decode(q) * absmax, rounded to T); each nibble then only
+// selects one.
 template <QuantType QT, typename T>
 Q4_AVX2 void dequantize_block_avx2(const uint8_t* packed, int64_t len, float absmax, T* out) {
-  alignas(32) float table[16];
-  for (int q = 0; q < 16; ++q) table[q] = Code4<QT>::decode(q);
-  const __m256 t_lo = _mm256_load_ps(table), t_hi = _mm256_load_ps(table + 8);
-  const __m256 scale = _mm256_set1_ps(absmax);
   const __m128i low4 = _mm_set1_epi8(0x0f);
-  for (int64_t i = 0; i < len; i += 32) {
+  auto nibbles = [&](int64_t i, __m128i* n0, __m128i* n1) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2));
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
     const __m128i lo = _mm_and_si128(b, low4);
-    const __m128i n0 = _mm_unpacklo_epi8(hi, lo);  // nibbles of elements 0..15
-    const __m128i n1 = _mm_unpackhi_epi8(hi, lo);  // elements 16..31
-    const __m128i groups[4] = {n0, _mm_srli_si128(n0, 8), n1, _mm_srli_si128(n1, 8)};
-    for (int k = 0; k < 4; ++k) {
-      const __m256 v = avx2::lookup16(t_lo, t_hi, _mm256_cvtepu8_epi32(groups[k]));
-      avx2::Vec<T>::store(out + i + 8 * k, _mm256_mul_ps(v, scale));
+    *n0 = _mm_unpacklo_epi8(hi, lo);  // nibbles of elements 0..15 (even element first)
+    *n1 = _mm_unpackhi_epi8(hi, lo);  // elements 16..31
+  };
+  if constexpr (sizeof(T) == 2) {
+    // 16-bit outputs: a byte shuffle per output byte over the 16 block values
+    // (rounded by the same SIMD conversion the other kernels use).
+    alignas(32) T vals[16];
+    const __m256 scale = _mm256_set1_ps(absmax);
+    avx2::Vec<T>::store(vals, _mm256_mul_ps(code_lo<QT>(), scale));
+    avx2::Vec<T>::store(vals + 8, _mm256_mul_ps(code_hi<QT>(), scale));
+    const __m256i v16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(vals));
+    // split the 16-bit values into their low bytes and high bytes
+    const __m256i split = _mm256_shuffle_epi8(
+        v16, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3,
+                              5, 7, 9, 11, 13, 15));
+    const __m256i gathered = _mm256_permute4x64_epi64(split, 0xD8);  // lo0-7 lo8-15 | hi0-7 hi8-15
+    const __m256i lo_tab = _mm256_permute2x128_si256(gathered, gathered, 0x00);
+    const __m256i hi_tab = _mm256_permute2x128_si256(gathered, gathered, 0x11);
+    for (int64_t i = 0; i < len; i += 32) {
+      __m128i n0, n1;
+      nibbles(i, &n0, &n1);
+      const __m256i nib = _mm256_set_m128i(n1, n0);
+      const __m256i lo = _mm256_shuffle_epi8(lo_tab, nib), hi = _mm256_shuffle_epi8(hi_tab, nib);
+      const __m256i r0 = _mm256_unpacklo_epi8(lo, hi);  // elements 0..7 | 16..23
+      const __m256i r1 = _mm256_unpackhi_epi8(lo, hi);  // elements 8..15 | 24..31
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_permute2x128_si256(r0, r1, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 16), _mm256_permute2x128_si256(r0, r1, 0x31));
+    }
+  } else {
+    const __m256 scale = _mm256_set1_ps(absmax);
+    const __m256 t_lo = _mm256_mul_ps(code_lo<QT>(), scale), t_hi = _mm256_mul_ps(code_hi<QT>(), scale);
+    for (int64_t i = 0; i < len; i += 32) {
+      __m128i n0, n1;
+      nibbles(i, &n0, &n1);
+      const __m128i groups[4] = {n0, _mm_srli_si128(n0, 8), n1, _mm_srli_si128(n1, 8)};
+      for (int k = 0; k < 4; ++k)
+        _mm256_storeu_ps(out + i + 8 * k, avx2::lookup16(t_lo, t_hi, _mm256_cvtepu8_epi32(groups[k])));
     }
   }
 }
@@ -203,6 +244,7 @@ Status dequantize_4bit(const Dequantize4bitParams& p) {
   const bool simd = cpu_isa() == kIsaAvx2;
   const int64_t blocks = p.absmax_size;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / p.blocksize);
+  hint_fresh_output(p.out, p.n * (p.out_dtype == kF32 ? 4 : 2));
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
     Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
       parallel_for(blocks, grain, [&](int64_t b0, int64_t b1) { dequantize_range<QT, T>(p, b0, b1, simd); });

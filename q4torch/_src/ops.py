@@ -118,6 +118,29 @@ def _(packed, absmax, blocksize, quant_type, shape, dtype):
     return packed.new_empty(tuple(shape), dtype=dtype)
 
 
+@torch.library.custom_op("q4::dequantize_4bit_out", mutates_args=("out",), device_types=("cpu", "cuda"))
+def dequantize_4bit_out(
+    packed: torch.Tensor, absmax: torch.Tensor, blocksize: int, quant_type: str, out: torch.Tensor
+) -> None:
+    """dequantize_4bit written into a contiguous `out` (its shape and dtype give
+    the result's): no allocation, so no first-touch cost for a reused buffer."""
+    n = _check_4bit_inputs(packed, absmax, blocksize, quant_type, list(out.shape), out.dtype)
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
+    if out.device != packed.device:
+        raise ValueError(f"out is on {out.device}, packed on {packed.device}")
+    packed, absmax = _u8(packed, "packed"), _f32(absmax, "absmax")
+    K.dequantize_4bit_ptr(
+        packed.data_ptr(), absmax.data_ptr(), n, blocksize, formats.QUANT_TYPE_CODES[quant_type],
+        out.data_ptr(), _DTYPE_CODE[out.dtype], _stream(packed),
+    )
+
+
+@dequantize_4bit_out.register_fake
+def _(packed, absmax, blocksize, quant_type, out):
+    _check_4bit_inputs(packed, absmax, blocksize, quant_type, list(out.shape), out.dtype)
+
+
 # ------------------------------------------------------------------ 8-bit
 
 

@@ -72,6 +72,18 @@ def test_defaults_follow_bitsandbytes(rng):
     assert st8.blocksize == 4096 and codes.dtype == torch.uint8
 
 
+def test_dequantize_into_out(rng):
+    x = _tensor(inputs.make(rng, (96, 64), "float32"))
+    packed, state = F.quantize_4bit(x, quant_type="nf4")
+    want = F.dequantize_4bit(packed, state)
+    out = torch.full((96, 64), 7.0)
+    assert F.dequantize_4bit(packed, state, out=out) is out and torch.equal(out, want)
+    strided = torch.full((64, 96), 7.0).t()  # not contiguous: written through a copy
+    assert torch.equal(F.dequantize_4bit(packed, state, out=strided), want) and torch.equal(strided, want)
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        ops.dequantize_4bit_out(packed.reshape(-1), state.absmax, 64, "nf4", strided)
+
+
 def test_non_contiguous_input_is_copied(rng):
     x = _tensor(inputs.make(rng, (96, 64), "float32")).t()
     assert not x.is_contiguous()
@@ -170,6 +182,7 @@ def test_opcheck(compress_statistics):
     torch.library.opcheck(ops.quantize_4bit, (x.bfloat16(), 32, "fp4"))
     packed, absmax = ops.quantize_4bit(x, 64, "nf4")
     torch.library.opcheck(ops.dequantize_4bit, (packed, absmax, 64, "nf4", [48, 40], torch.bfloat16))
+    torch.library.opcheck(ops.dequantize_4bit_out, (packed, absmax, 64, "nf4", torch.empty(48, 40)))
     code = F.create_dynamic_map()
     torch.library.opcheck(ops.quantize_blockwise, (x, code, 256))
     codes, am = ops.quantize_blockwise(x, code, 256)

@@ -110,14 +110,8 @@ static_assert(detail::sorted_strictly(), "dynamic map must be sorted with 0 at 1
 Q4_HD int encode8_nearest(const float* code, float x, float absmax, float inv) {
   const float s = x * inv;
   if (s != s) return 255;
-  int lo = 0, hi = 255;  // first index with code[idx] >= s, clamped
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (code[mid] < s)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+  int lo = 0;  // first index with code[lo] >= s, clamped to 255 (branchless search)
+  for (int step = 128; step >= 1; step >>= 1) lo += (code[lo + step - 1] < s) ? step : 0;
   if (!(absmax <= 3.40282347e+38f))  // inf: reconstruction errors are not comparable
     return (lo > 0 && s - code[lo - 1] <= code[lo] - s) ? lo - 1 : lo;
   int best = lo > 0 ? lo - 1 : lo;
