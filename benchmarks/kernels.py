@@ -38,7 +38,6 @@ def main() -> dict:
     import jax.numpy as jnp
     import torch
 
-    import q4
     import q4jax
     import q4torch.functional as F
     from q4._src import kernels as K
@@ -86,8 +85,19 @@ def main() -> dict:
             "floor": floor_write_ms[dtype],
         }
 
-    header = ["op (4096x4096)", "raw kernel", "q4 PyTorch", "q4 PyTorch (reused out)", "q4 JAX (jit)",
-              "bitsandbytes", "floor", "bnb / q4 PyTorch", "raw / floor", "PyTorch / raw", "JAX / raw"]
+    header = [
+        "op (4096x4096)",
+        "raw kernel",
+        "q4 PyTorch",
+        "q4 PyTorch (reused out)",
+        "q4 JAX (jit)",
+        "bitsandbytes",
+        "floor",
+        "bnb / q4 PyTorch",
+        "raw / floor",
+        "PyTorch / raw",
+        "JAX / raw",
+    ]
     rows = []
     for op, r in results.items():
         r["bnb / q4 PyTorch"] = r["bitsandbytes"] / r["q4 PyTorch"]
@@ -96,8 +106,10 @@ def main() -> dict:
         r["JAX / raw"] = r["q4 JAX (jit)"] / r["raw kernel"]
         rows.append([op] + [r.get(h, "-") for h in header[1:]])
     m = machine()
-    print(f"machine: {m['cpu']}, {m['cores']} cores; q4 path {m['q4_isa']}, {m['q4_threads']} threads; "
-          f"copy bandwidth {bw:.1f} GB/s (read+write)")
+    print(
+        f"machine: {m['cpu']}, {m['cores']} cores; q4 path {m['q4_isa']}, {m['q4_threads']} threads; "
+        f"copy bandwidth {bw:.1f} GB/s (read+write)"
+    )
     print_table("median ms (lower is better); ratios > 1 mean the first is slower", header, rows)
     record = {"machine": m, "copy_bandwidth_gbs": bw, "results": results}
     path = write_json("kernels", record)

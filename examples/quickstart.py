@@ -55,14 +55,21 @@ def main() -> None:
     deq_j = q4jax.dequantize_4bit(packed_j, state_j)
     err = deq_t.numpy() - w
     print(f"dequantized values identical across frameworks:        {np.array_equal(deq_t.numpy(), np.asarray(deq_j))}")
-    print(f"error vs fp32: max |e| {np.abs(err).max():.5f}, relative Frobenius {np.linalg.norm(err) / np.linalg.norm(w):.4f}")
+    print(
+        f"error vs fp32: max |e| {np.abs(err).max():.5f}, relative Frobenius {np.linalg.norm(err) / np.linalg.norm(w):.4f}"
+    )
     packed_mb = (packed_t.numel() + state_t.absmax.numel() + 4 * state_t.state2.absmax.numel()) / 2**20
-    print(f"size: {w.nbytes / 2**20:.1f} MiB fp32 -> {packed_mb:.2f} MiB ({8 * packed_mb * 2**20 / w.size:.3f} bits/weight)\n")
+    print(
+        f"size: {w.nbytes / 2**20:.1f} MiB fp32 -> {packed_mb:.2f} MiB ({8 * packed_mb * 2**20 / w.size:.3f} bits/weight)\n"
+    )
 
     qj = jax.jit(lambda x: q4jax.quantize_4bit(x, 64, "nf4", True))
     dj = jax.jit(q4jax.dequantize_4bit)
     rows = [
-        ("quantize (PyTorch)", median_ms(lambda: F.quantize_4bit(wt, blocksize=64, quant_type="nf4", compress_statistics=True))),
+        (
+            "quantize (PyTorch)",
+            median_ms(lambda: F.quantize_4bit(wt, blocksize=64, quant_type="nf4", compress_statistics=True)),
+        ),
         ("quantize (JAX, jit)", median_ms(lambda: jax.block_until_ready(qj(wj)))),
         ("dequantize (PyTorch)", median_ms(lambda: F.dequantize_4bit(packed_t, state_t))),
         ("dequantize (JAX, jit)", median_ms(lambda: jax.block_until_ready(dj(packed_j, state_j)))),

@@ -58,12 +58,23 @@ class QuantState:
     valid_quant_types = ("fp4", "nf4")
     valid_qs_type_keys = [f"bitsandbytes__{x}" for x in valid_quant_types]
     valid_qs_keys = [
-        "absmax", "quant_map", "nested_absmax", "nested_quant_map", "quant_state", "quant_type",
-        "blocksize", "dtype", "shape", "nested_blocksize", "nested_dtype", "nested_offset",
+        "absmax",
+        "quant_map",
+        "nested_absmax",
+        "nested_quant_map",
+        "quant_state",
+        "quant_type",
+        "blocksize",
+        "dtype",
+        "shape",
+        "nested_blocksize",
+        "nested_dtype",
+        "nested_offset",
     ]
 
-    def __init__(self, absmax, shape=None, code=None, blocksize=None, quant_type=None, dtype=None, offset=None,
-                 state2=None):
+    def __init__(
+        self, absmax, shape=None, code=None, blocksize=None, quant_type=None, dtype=None, offset=None, state2=None
+    ):
         self.absmax = absmax
         self.shape = shape
         self.code = code
@@ -161,9 +172,7 @@ class QuantState:
             return qs
         out = {k: v for k, v in qs.items() if isinstance(v, torch.Tensor)}
         meta = {k: (list(v) if isinstance(v, tuple) else v) for k, v in qs.items() if not isinstance(v, torch.Tensor)}
-        out["quant_state.bitsandbytes__" + self.quant_type] = torch.from_numpy(
-            q4._src.quant_state.pack_json(meta)
-        )
+        out["quant_state.bitsandbytes__" + self.quant_type] = torch.from_numpy(q4._src.quant_state.pack_json(meta))
         return out
 
     def to(self, device):
@@ -178,8 +187,11 @@ class QuantState:
         if not isinstance(other, QuantState):
             return False
         same = (
-            self.shape == other.shape and self.dtype == other.dtype and self.blocksize == other.blocksize
-            and self.quant_type == other.quant_type and self.nested == other.nested
+            self.shape == other.shape
+            and self.dtype == other.dtype
+            and self.blocksize == other.blocksize
+            and self.quant_type == other.quant_type
+            and self.nested == other.nested
             and torch.equal(self.absmax, other.absmax)
             and (self.code is None) == (other.code is None)
             and (self.code is None or torch.equal(self.code, other.code))
@@ -195,7 +207,9 @@ def _check_tensors(**named) -> None:
     """A must be a tensor; optional tensor arguments must be tensors or None."""
     for name, value in named.items():
         if (value is not None or name == "A") and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor{'' if name == 'A' else ' or None'}, got {type(value).__name__}")
+            raise TypeError(
+                f"{name} must be a torch.Tensor{'' if name == 'A' else ' or None'}, got {type(value).__name__}"
+            )
 
 
 def _resolve_blocksize(blocksize, default):
@@ -224,20 +238,27 @@ def quantize_4bit(
     if quant_storage != torch.uint8:
         if packed.numel() * 1 % quant_storage.itemsize:
             raise ValueError(
-                f"{packed.numel()} packed bytes cannot be viewed as {quant_storage} "
-                f"(itemsize {quant_storage.itemsize})"
+                f"{packed.numel()} packed bytes cannot be viewed as {quant_storage} (itemsize {quant_storage.itemsize})"
             )
         packed = packed.squeeze(1).view(quant_storage).unsqueeze(1)
     code = get_4bit_type(quant_type, A.device)
     if compress_statistics:
         codes, absmax2, offset = ops.quantize_nested(_absmax)
-        state2 = QuantState(absmax=absmax2, code=create_dynamic_map(A.device), blocksize=formats.nested_blocksize(),
-                            dtype=torch.float32)
-        state = QuantState(absmax=codes, shape=A.shape, dtype=A.dtype, blocksize=bs, code=code,
-                           quant_type=quant_type, offset=offset, state2=state2)
+        state2 = QuantState(
+            absmax=absmax2, code=create_dynamic_map(A.device), blocksize=formats.nested_blocksize(), dtype=torch.float32
+        )
+        state = QuantState(
+            absmax=codes,
+            shape=A.shape,
+            dtype=A.dtype,
+            blocksize=bs,
+            code=code,
+            quant_type=quant_type,
+            offset=offset,
+            state2=state2,
+        )
     else:
-        state = QuantState(absmax=_absmax, shape=A.shape, dtype=A.dtype, blocksize=bs, code=code,
-                           quant_type=quant_type)
+        state = QuantState(absmax=_absmax, shape=A.shape, dtype=A.dtype, blocksize=bs, code=code, quant_type=quant_type)
     if out is not None:
         packed = out.copy_(packed)
     if absmax is not None:
@@ -266,19 +287,31 @@ def dequantize_4bit(
     if quant_state is None:
         if absmax is None or out is None:
             raise ValueError("dequantize_4bit needs quant_state, or both absmax and out")
-        quant_state = QuantState(absmax=absmax, shape=out.shape, dtype=out.dtype,
-                                 blocksize=_resolve_blocksize(blocksize, 64), quant_type=quant_type)
+        quant_state = QuantState(
+            absmax=absmax,
+            shape=out.shape,
+            dtype=out.dtype,
+            blocksize=_resolve_blocksize(blocksize, 64),
+            quant_type=quant_type,
+        )
     packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
     absmax = _state_absmax(quant_state)
-    if out is not None and out.is_contiguous() and out.dtype == quant_state.dtype and out.numel() == math.prod(
-        quant_state.shape
+    if (
+        out is not None
+        and out.is_contiguous()
+        and out.dtype == quant_state.dtype
+        and out.numel() == math.prod(quant_state.shape)
     ):
         ops.dequantize_4bit_out(packed.reshape(-1), absmax, quant_state.blocksize, quant_state.quant_type, out)
         result = out
     else:
         result = ops.dequantize_4bit(
-            packed.reshape(-1), absmax, quant_state.blocksize, quant_state.quant_type,
-            list(quant_state.shape), quant_state.dtype,
+            packed.reshape(-1),
+            absmax,
+            quant_state.blocksize,
+            quant_state.quant_type,
+            list(quant_state.shape),
+            quant_state.dtype,
         )
         if out is not None:
             result = out.copy_(result)
@@ -318,8 +351,7 @@ def quantize_blockwise(
     if nested:
         offset = _absmax.mean()
         qabsmax, state2 = quantize_blockwise(_absmax - offset, blocksize=bs, nested=False)
-        state = QuantState(absmax=qabsmax, code=code.clone(), blocksize=bs, dtype=A.dtype, offset=offset,
-                           state2=state2)
+        state = QuantState(absmax=qabsmax, code=code.clone(), blocksize=bs, dtype=A.dtype, offset=offset, state2=state2)
     else:
         state = QuantState(absmax=_absmax, code=code.clone(), blocksize=bs, dtype=A.dtype)
     if out is not None:
@@ -342,8 +374,12 @@ def dequantize_blockwise(
     if quant_state is None:
         if absmax is None:
             raise ValueError("dequantize_blockwise needs quant_state or absmax")
-        quant_state = QuantState(absmax=absmax, code=create_dynamic_map(A.device) if code is None else code,
-                                 blocksize=blocksize, dtype=torch.float32)
+        quant_state = QuantState(
+            absmax=absmax,
+            code=create_dynamic_map(A.device) if code is None else code,
+            blocksize=blocksize,
+            dtype=torch.float32,
+        )
     scale = quant_state.absmax
     if quant_state.state2 is not None:
         s2 = quant_state.state2

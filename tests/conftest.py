@@ -15,9 +15,7 @@ import q4  # noqa: E402
 
 
 def pytest_report_header(config):
-    return [
-        f"q4 library: {q4.library_path()} (isa {q4.cpu_isa()}, {q4.num_threads()} threads, cuda={q4.has_cuda()})"
-    ]
+    return [f"q4 library: {q4.library_path()} (isa {q4.cpu_isa()}, {q4.num_threads()} threads, cuda={q4.has_cuda()})"]
 
 
 @pytest.fixture

@@ -26,11 +26,7 @@ def code_table(which: str) -> np.ndarray:
     if which not in index:
         raise ValueError(f"code table must be one of {sorted(index)}, got {which!r}")
     out = np.empty(256 if which == "dynamic" else 16, np.float32)
-    native.check(
-        native.lib().q4_code_table(
-            index[which], out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size
-        )
-    )
+    native.check(native.lib().q4_code_table(index[which], out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size))
     out.setflags(write=False)
     return out
 

@@ -25,8 +25,17 @@ def _call(name: str, stream, *args) -> None:
 
 def quantize_4bit_ptr(x, x_dtype: int, n: int, blocksize: int, quant_type: int, packed, absmax, stream=None) -> None:
     _call(
-        "quantize_4bit", stream, x, x_dtype, n, blocksize, quant_type,
-        packed, formats.packed_bytes(n), absmax, formats.num_blocks(n, blocksize),
+        "quantize_4bit",
+        stream,
+        x,
+        x_dtype,
+        n,
+        blocksize,
+        quant_type,
+        packed,
+        formats.packed_bytes(n),
+        absmax,
+        formats.num_blocks(n, blocksize),
     )
 
 
@@ -34,14 +43,32 @@ def dequantize_4bit_ptr(
     packed, absmax, n: int, blocksize: int, quant_type: int, out, out_dtype: int, stream=None
 ) -> None:
     _call(
-        "dequantize_4bit", stream, packed, formats.packed_bytes(n), absmax, formats.num_blocks(n, blocksize),
-        n, blocksize, quant_type, out, out_dtype,
+        "dequantize_4bit",
+        stream,
+        packed,
+        formats.packed_bytes(n),
+        absmax,
+        formats.num_blocks(n, blocksize),
+        n,
+        blocksize,
+        quant_type,
+        out,
+        out_dtype,
     )
 
 
 def quantize_blockwise_ptr(x, x_dtype: int, n: int, blocksize: int, code, codes, absmax, stream=None) -> None:
     _call(
-        "quantize_blockwise", stream, x, x_dtype, n, blocksize, code, codes, n, absmax,
+        "quantize_blockwise",
+        stream,
+        x,
+        x_dtype,
+        n,
+        blocksize,
+        code,
+        codes,
+        n,
+        absmax,
         formats.num_blocks(n, blocksize),
     )
 
@@ -51,15 +78,31 @@ def dequantize_blockwise_ptr(
 ) -> None:
     """offset None: out = code[q]*absmax; else fp32(code[q]*absmax) + offset."""
     _call(
-        "dequantize_blockwise", stream, codes, n, absmax, formats.num_blocks(n, blocksize), blocksize, code,
-        0 if offset is None else 1, 0.0 if offset is None else float(offset), out, out_dtype,
+        "dequantize_blockwise",
+        stream,
+        codes,
+        n,
+        absmax,
+        formats.num_blocks(n, blocksize),
+        blocksize,
+        code,
+        0 if offset is None else 1,
+        0.0 if offset is None else float(offset),
+        out,
+        out_dtype,
     )
 
 
 def quantize_nested_ptr(absmax, n_blocks: int, codes, absmax2, offset, stream=None) -> None:
     _call(
-        "quantize_nested", stream, absmax, n_blocks, codes, absmax2,
-        formats.num_blocks(n_blocks, formats.nested_blocksize()), offset,
+        "quantize_nested",
+        stream,
+        absmax,
+        n_blocks,
+        codes,
+        absmax2,
+        formats.num_blocks(n_blocks, formats.nested_blocksize()),
+        offset,
     )
 
 
@@ -118,7 +161,9 @@ def dequantize_4bit(
     if packed.size != formats.packed_bytes(n):
         raise ValueError(f"packed has {packed.size} bytes, shape {shape} needs {formats.packed_bytes(n)}")
     if absmax.size != formats.num_blocks(n, bs):
-        raise ValueError(f"absmax has {absmax.size} values, shape {shape} with blocksize {bs} needs {formats.num_blocks(n, bs)}")
+        raise ValueError(
+            f"absmax has {absmax.size} values, shape {shape} with blocksize {bs} needs {formats.num_blocks(n, bs)}"
+        )
     name = dtype_name(_np_dtype(np.dtype(dtype).name) if not isinstance(dtype, str) else _np_dtype(dtype))
     out = np.empty(shape, _np_dtype(name))
     dequantize_4bit_ptr(packed.ctypes.data, absmax.ctypes.data, n, bs, qt, out.ctypes.data, formats.DTYPE_CODES[name])
@@ -135,8 +180,13 @@ def quantize_blockwise(x: np.ndarray, blocksize: int = 4096, code: np.ndarray | 
     codes = np.empty(x.shape, np.uint8)
     absmax = np.empty(formats.num_blocks(x.size, bs), np.float32)
     quantize_blockwise_ptr(
-        x.ctypes.data, formats.DTYPE_CODES[dtype_name(x.dtype)], x.size, bs,
-        None if code_arr is None else code_arr.ctypes.data, codes.ctypes.data, absmax.ctypes.data,
+        x.ctypes.data,
+        formats.DTYPE_CODES[dtype_name(x.dtype)],
+        x.size,
+        bs,
+        None if code_arr is None else code_arr.ctypes.data,
+        codes.ctypes.data,
+        absmax.ctypes.data,
     )
     return codes, absmax
 
@@ -146,13 +196,21 @@ def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, offset
     codes = np.ascontiguousarray(codes, np.uint8)
     absmax = np.ascontiguousarray(absmax, np.float32)
     if absmax.size != formats.num_blocks(codes.size, bs):
-        raise ValueError(f"absmax has {absmax.size} values, {codes.size} codes with blocksize {bs} need {formats.num_blocks(codes.size, bs)}")
+        raise ValueError(
+            f"absmax has {absmax.size} values, {codes.size} codes with blocksize {bs} need {formats.num_blocks(codes.size, bs)}"
+        )
     code_arr = None if code is None else np.ascontiguousarray(code, np.float32)
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     out = np.empty(codes.shape, _np_dtype(name))
     dequantize_blockwise_ptr(
-        codes.ctypes.data, codes.size, absmax.ctypes.data, bs,
-        None if code_arr is None else code_arr.ctypes.data, offset, out.ctypes.data, formats.check_dtype_name(name),
+        codes.ctypes.data,
+        codes.size,
+        absmax.ctypes.data,
+        bs,
+        None if code_arr is None else code_arr.ctypes.data,
+        offset,
+        out.ctypes.data,
+        formats.check_dtype_name(name),
     )
     return out
 

@@ -74,7 +74,9 @@ class QuantState:
             )
         if self.nested:
             if self.nested_blocksize != formats.nested_blocksize():
-                raise QuantStateError(f"nested_blocksize must be {formats.nested_blocksize()}, got {self.nested_blocksize}")
+                raise QuantStateError(
+                    f"nested_blocksize must be {formats.nested_blocksize()}, got {self.nested_blocksize}"
+                )
             n2 = formats.num_blocks(self.n_blocks, self.nested_blocksize)
             if self.nested_absmax.dtype != np.float32 or self.nested_absmax.size != n2:
                 raise QuantStateError(
@@ -116,9 +118,7 @@ class QuantState:
         the weight prefix). Errors name the offending key."""
         json_keys = [k for k in entries if k.startswith(_JSON_PREFIX)]
         if len(json_keys) != 1:
-            raise QuantStateError(
-                f"expected exactly one '{_JSON_PREFIX}<nf4|fp4>' entry, found {json_keys or 'none'}"
-            )
+            raise QuantStateError(f"expected exactly one '{_JSON_PREFIX}<nf4|fp4>' entry, found {json_keys or 'none'}")
         meta = unpack_json(entries[json_keys[0]], json_keys[0])
         qt = meta.get("quant_type")
         if json_keys[0] != _JSON_PREFIX + str(qt):

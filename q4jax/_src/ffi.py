@@ -59,7 +59,11 @@ def quantize_4bit_raw(x: jax.Array, blocksize: int, quant_type: str):
         jax.ShapeDtypeStruct((formats.num_blocks(n, blocksize),), jnp.float32),
     )
     return _call(
-        "quantize_4bit", out, x.reshape(-1), n=n, blocksize=blocksize,
+        "quantize_4bit",
+        out,
+        x.reshape(-1),
+        n=n,
+        blocksize=blocksize,
         quant_type=formats.QUANT_TYPE_CODES[quant_type],
     )
 
@@ -68,7 +72,12 @@ def dequantize_4bit_raw(packed, absmax, shape, dtype: str, blocksize: int, quant
     n = int(np.prod(shape))
     out = jax.ShapeDtypeStruct((n,), _DTYPES[dtype])
     flat = _call(
-        "dequantize_4bit", out, packed.reshape(-1), absmax, n=n, blocksize=blocksize,
+        "dequantize_4bit",
+        out,
+        packed.reshape(-1),
+        absmax,
+        n=n,
+        blocksize=blocksize,
         quant_type=formats.QUANT_TYPE_CODES[quant_type],
     )
     return flat.reshape(shape)
@@ -90,7 +99,14 @@ def dequantize_blockwise_raw(codes, absmax, code, offset, blocksize: int, dtype:
     add = offset is not None
     off = jnp.zeros((1,), jnp.float32) if offset is None else jnp.reshape(offset, (1,)).astype(jnp.float32)
     flat = _call(
-        "dequantize_blockwise", out, codes.reshape(-1), absmax, code, off, n=n, blocksize=blocksize,
+        "dequantize_blockwise",
+        out,
+        codes.reshape(-1),
+        absmax,
+        code,
+        off,
+        n=n,
+        blocksize=blocksize,
         add_offset=int(add),
     )
     return flat.reshape(codes.shape)

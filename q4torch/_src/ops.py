@@ -106,8 +106,14 @@ def dequantize_4bit(
     packed, absmax = _u8(packed, "packed"), _f32(absmax, "absmax")
     out = torch.empty(tuple(shape), dtype=dtype, device=packed.device)
     K.dequantize_4bit_ptr(
-        packed.data_ptr(), absmax.data_ptr(), n, blocksize, formats.QUANT_TYPE_CODES[quant_type],
-        out.data_ptr(), _DTYPE_CODE[dtype], _stream(packed),
+        packed.data_ptr(),
+        absmax.data_ptr(),
+        n,
+        blocksize,
+        formats.QUANT_TYPE_CODES[quant_type],
+        out.data_ptr(),
+        _DTYPE_CODE[dtype],
+        _stream(packed),
     )
     return out
 
@@ -131,8 +137,14 @@ def dequantize_4bit_out(
         raise ValueError(f"out is on {out.device}, packed on {packed.device}")
     packed, absmax = _u8(packed, "packed"), _f32(absmax, "absmax")
     K.dequantize_4bit_ptr(
-        packed.data_ptr(), absmax.data_ptr(), n, blocksize, formats.QUANT_TYPE_CODES[quant_type],
-        out.data_ptr(), _DTYPE_CODE[out.dtype], _stream(packed),
+        packed.data_ptr(),
+        absmax.data_ptr(),
+        n,
+        blocksize,
+        formats.QUANT_TYPE_CODES[quant_type],
+        out.data_ptr(),
+        _DTYPE_CODE[out.dtype],
+        _stream(packed),
     )
 
 

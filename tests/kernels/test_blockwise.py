@@ -24,7 +24,9 @@ def test_quantize_blockwise_matches_oracle(rng, dtype, blocksize):
             assert np.array_equal(codes.reshape(-1), ref_codes), (shape, kind)
             assert np.array_equal(inputs.bits(absmax), inputs.bits(ref_absmax))
             y = q4.dequantize_blockwise(codes, absmax, blocksize)
-            assert np.array_equal(inputs.bits(y).reshape(-1), inputs.bits(oracle.dequantize_blockwise(codes, absmax, blocksize, DYN)))
+            assert np.array_equal(
+                inputs.bits(y).reshape(-1), inputs.bits(oracle.dequantize_blockwise(codes, absmax, blocksize, DYN))
+            )
 
 
 @pytest.mark.parametrize("blocksize", [64, 256, 4096])

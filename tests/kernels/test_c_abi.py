@@ -24,8 +24,15 @@ def _quantize(x, n, blocksize, qt=0, dtype=0, packed_size=None, absmax_size=None
     packed = np.full(max(packed_size, 0) + 64, CANARY, np.uint8)
     absmax = np.full(max(absmax_size, 0) + 16, np.nan, np.float32)
     rc = _lib().q4_quantize_4bit(
-        x.ctypes.data if x is not None else None, dtype, n, blocksize, qt,
-        packed.ctypes.data, packed_size, absmax.ctypes.data, absmax_size,
+        x.ctypes.data if x is not None else None,
+        dtype,
+        n,
+        blocksize,
+        qt,
+        packed.ctypes.data,
+        packed_size,
+        absmax.ctypes.data,
+        absmax_size,
     )
     return rc, packed, absmax
 

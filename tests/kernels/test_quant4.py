@@ -108,7 +108,7 @@ def test_scalar_and_avx2_identical(rng):
         finally:
             q4.set_cpu_isa("avx2")
     (a, b) = results["scalar"], results["avx2"]
-    for (pa, ma), (pb, mb) in zip(a[:2], b[:2]):
+    for (pa, ma), (pb, mb) in zip(a[:2], b[:2], strict=True):
         assert np.array_equal(pa, pb) and np.array_equal(ma, mb)
     assert np.array_equal(inputs.bits(a[2]), inputs.bits(b[2]))
 

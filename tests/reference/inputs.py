@@ -14,9 +14,7 @@ def special_values(rng: np.random.Generator, n: int) -> np.ndarray:
     """Normal values salted with +-0, denormals, huge values and exact code points."""
     x = rng.standard_normal(n).astype(np.float32) * 2
     picks = rng.integers(0, n, size=max(1, n // 8))
-    specials = np.array(
-        [0.0, -0.0, 1e-40, -1e-45, 3e38, -3e38, 1e-38, 65504.0, 1.0, -1.0, 0.5, 2**-24], np.float32
-    )
+    specials = np.array([0.0, -0.0, 1e-40, -1e-45, 3e38, -3e38, 1e-38, 65504.0, 1.0, -1.0, 0.5, 2**-24], np.float32)
     x[picks] = specials[rng.integers(0, specials.size, size=picks.size)]
     return x
 

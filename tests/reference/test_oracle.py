@@ -3,6 +3,7 @@ the oracle cannot hide a matching bug in the kernels."""
 
 import numpy as np
 import pytest
+
 from reference import oracle
 
 

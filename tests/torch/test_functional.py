@@ -22,8 +22,11 @@ def _tensor(x: np.ndarray, device="cpu") -> torch.Tensor:
 
 def _bits(t: torch.Tensor) -> np.ndarray:
     """Raw bit patterns of a float tensor."""
-    return t.cpu().view({4: torch.int32, 2: torch.int16}[t.element_size()]).numpy().view(
-        {4: np.uint32, 2: np.uint16}[t.element_size()]
+    return (
+        t.cpu()
+        .view({4: torch.int32, 2: torch.int16}[t.element_size()])
+        .numpy()
+        .view({4: np.uint32, 2: np.uint16}[t.element_size()])
     )
 
 
@@ -129,10 +132,12 @@ def test_quant_state_dict_round_trip_and_bitsandbytes_interchange(rng):
     )
     assert torch.equal(F.dequantize_4bit(packed, F.QuantState.from_dict(d, "cpu")), F.dequantize_4bit(packed, state))
     # q4's state loads in bitsandbytes and bitsandbytes' in q4, with identical values
-    assert torch.equal(bnbf.dequantize_4bit(packed, bnbf.QuantState.from_dict(dict(d), "cpu")),
-                       F.dequantize_4bit(packed, state))
-    assert torch.equal(F.dequantize_4bit(bpacked, F.QuantState.from_dict(dict(bd), "cpu")),
-                       bnbf.dequantize_4bit(bpacked, bstate))
+    assert torch.equal(
+        bnbf.dequantize_4bit(packed, bnbf.QuantState.from_dict(dict(d), "cpu")), F.dequantize_4bit(packed, state)
+    )
+    assert torch.equal(
+        F.dequantize_4bit(bpacked, F.QuantState.from_dict(dict(bd), "cpu")), bnbf.dequantize_4bit(bpacked, bstate)
+    )
 
 
 def test_corrupted_quant_state_is_rejected(rng):
@@ -161,12 +166,25 @@ def test_corrupted_quant_state_is_rejected(rng):
         (lambda: F.quantize_4bit(torch.ones(0)), ValueError, r"empty tensor .*shape \(0,\)"),
         (lambda: F.quantize_4bit(torch.ones(64), quant_type="int4"), ValueError, "got 'int4'"),
         (lambda: F.quantize_4bit([1.0, 2.0]), TypeError, "got list"),
-        (lambda: ops.dequantize_4bit(torch.zeros(32, dtype=torch.uint8), torch.ones(2), 64, "nf4", [64], torch.float32),
-         ValueError, "absmax has 2 values, shape \\[64\\] with blocksize 64 needs 1"),
-        (lambda: ops.dequantize_4bit(torch.zeros(31, dtype=torch.uint8), torch.ones(1), 64, "nf4", [64], torch.float32),
-         ValueError, "packed has 31 bytes"),
-        (lambda: ops.dequantize_4bit(torch.zeros(32, dtype=torch.uint8), torch.ones(1), 64, "nf4", [64], torch.int8),
-         TypeError, "got torch.int8"),
+        (
+            lambda: ops.dequantize_4bit(
+                torch.zeros(32, dtype=torch.uint8), torch.ones(2), 64, "nf4", [64], torch.float32
+            ),
+            ValueError,
+            "absmax has 2 values, shape \\[64\\] with blocksize 64 needs 1",
+        ),
+        (
+            lambda: ops.dequantize_4bit(
+                torch.zeros(31, dtype=torch.uint8), torch.ones(1), 64, "nf4", [64], torch.float32
+            ),
+            ValueError,
+            "packed has 31 bytes",
+        ),
+        (
+            lambda: ops.dequantize_4bit(torch.zeros(32, dtype=torch.uint8), torch.ones(1), 64, "nf4", [64], torch.int8),
+            TypeError,
+            "got torch.int8",
+        ),
         (lambda: F.quantize_blockwise(torch.ones(64), code=torch.ones(10)), ValueError, "256 values, got 10"),
     ],
 )
