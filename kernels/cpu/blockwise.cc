@@ -82,6 +82,7 @@ Status dequantize_blockwise(const DequantizeBlockwiseParams& p) {
 Status quantize_nested(const QuantizeNestedParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
+  ScopedIeeeFloat ieee;
   double sum = 0.0;
   for (int64_t i = 0; i < p.n_blocks; ++i) sum += p.absmax[i];
   const float offset = static_cast<float>(sum / static_cast<double>(p.n_blocks));

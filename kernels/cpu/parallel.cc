@@ -3,6 +3,10 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
@@ -119,18 +123,33 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   const int64_t max_chunks = std::max<int64_t>(1, n / grain);
   const int chunks = static_cast<int>(std::min<int64_t>(cpu_num_threads(), max_chunks));
   if (chunks <= 1 || t_in_parallel) {
+    ScopedIeeeFloat ieee;
     fn(0, n);
     return;
   }
   const int64_t per = (n + chunks - 1) / chunks;
   std::function<void(int)> chunk_fn = [&](int c) {
     const int64_t b = c * per, e = std::min(n, b + per);
+    ScopedIeeeFloat ieee;
     t_in_parallel = true;
     if (b < e) fn(b, e);
     t_in_parallel = false;
   };
   pool().run(chunks, chunk_fn);
 }
+
+#if defined(__x86_64__) || defined(__i386__)
+constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15 (flush to zero) and bit 6 (denormals are zero)
+ScopedIeeeFloat::ScopedIeeeFloat() : saved_(_mm_getcsr()) {
+  if (saved_ & kFtzDaz) _mm_setcsr(saved_ & ~kFtzDaz);
+}
+ScopedIeeeFloat::~ScopedIeeeFloat() {
+  if (saved_ & kFtzDaz) _mm_setcsr(saved_);
+}
+#else
+ScopedIeeeFloat::ScopedIeeeFloat() {}
+ScopedIeeeFloat::~ScopedIeeeFloat() {}
+#endif
 
 void hint_fresh_output(void* ptr, int64_t bytes) {
 #if defined(MADV_HUGEPAGE)

@@ -11,7 +11,24 @@
 namespace q4 {
 namespace cpu {
 
+// Runs fn over [0, n) in chunks (see above). Every chunk runs with IEEE
+// denormal handling (ScopedIeeeFloat), whatever the calling thread's mode.
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+// Clears flush-to-zero / denormals-are-zero for its lifetime and restores the
+// caller's mode after. XLA runs custom calls with FTZ/DAZ set, and torch can
+// set them (torch.set_flush_denormal); the formats are defined on IEEE
+// arithmetic, so a denormal input must not read as zero.
+class ScopedIeeeFloat {
+ public:
+  ScopedIeeeFloat();
+  ~ScopedIeeeFloat();
+  ScopedIeeeFloat(const ScopedIeeeFloat&) = delete;
+  ScopedIeeeFloat& operator=(const ScopedIeeeFloat&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
 
 // Hint that a large output buffer about to be written for the first time may
 // be backed by huge pages (madvise MADV_HUGEPAGE on its 2 MiB-aligned

@@ -231,3 +231,18 @@ def test_dequantize_blocks_straddling_rows_exact(rng):
     want = q4.dequantize_4bit(packed.numpy(), state.absmax.numpy(), (96, 80), 64, "nf4")
     assert np.array_equal(ours.numpy(), want)
     assert (ours - x).abs().max() <= state.absmax.max() * 0.25  # NF4's largest gap is 0.30 of absmax
+
+
+def test_flush_denormal_mode_does_not_change_bytes(rng):
+    """Denormal inputs quantize by IEEE rules even when the caller's thread
+    flushes denormals (torch.set_flush_denormal, or XLA's threads)."""
+    x = np.full(64, 1e-40, np.float32)
+    x[1::2] = -3e-41
+    want_packed, want_absmax = q4.quantize_4bit(x, 64, "nf4")
+    assert want_absmax[0] == np.float32(1e-40)
+    assert torch.set_flush_denormal(True)
+    try:
+        packed, state = F.quantize_4bit(torch.from_numpy(x), quant_type="nf4")
+    finally:
+        torch.set_flush_denormal(False)
+    assert np.array_equal(packed.numpy(), want_packed) and np.array_equal(state.absmax.numpy(), want_absmax)
