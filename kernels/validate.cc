@@ -38,10 +38,10 @@ Status check_ptr(const void* p, const char* what) {
   return Status::Ok();
 }
 
-#define Q4_RETURN_IF_ERROR(expr)  \
-  do {                            \
-    Status _s = (expr);           \
-    if (!_s.ok()) return _s;      \
+#define Q4_RETURN_IF_ERROR(expr) \
+  do {                           \
+    Status _s = (expr);          \
+    if (!_s.ok()) return _s;     \
   } while (0)
 
 }  // namespace

@@ -4,25 +4,17 @@
 
 #include <string>
 
+#include "c_api_params.h"
 #include "q4/dynamic8.h"
 #include "q4/fp4.h"
 #include "q4/kernels.h"
 #include "q4/nf4.h"
 
-namespace {
-
-thread_local std::string t_error;
-
-int32_t finish(const q4::Status& s) {
-  t_error = s.message;
-  return s.code;
-}
-
-}  // namespace
+using q4::capi::finish;
 
 extern "C" {
 
-const char* q4_last_error(void) { return t_error.c_str(); }
+const char* q4_last_error(void) { return q4::capi::last_error().c_str(); }
 int32_t q4_abi_version(void) { return 1; }
 int32_t q4_has_cuda(void) {
 #if defined(Q4_WITH_CUDA)
@@ -34,16 +26,19 @@ int32_t q4_has_cuda(void) {
 
 int32_t q4_code_table(int32_t which, float* out, int64_t out_size) {
   const int64_t want = which == 2 ? 256 : 16;
-  if (which < 0 || which > 2) return finish(q4::Status::Invalid("table must be 0 (nf4), 1 (fp4) or 2 (dynamic8), got " + std::to_string(which)));
+  if (which < 0 || which > 2)
+    return finish(q4::Status::Invalid("table must be 0 (nf4), 1 (fp4) or 2 (dynamic8), got " + std::to_string(which)));
   if (out == nullptr || out_size != want)
-    return finish(q4::Status::Invalid("table output needs " + std::to_string(want) + " floats, got " + std::to_string(out_size)));
+    return finish(
+        q4::Status::Invalid("table output needs " + std::to_string(want) + " floats, got " + std::to_string(out_size)));
   for (int64_t i = 0; i < want; ++i)
     out[i] = which == 0 ? q4::nf4::value(int(i)) : which == 1 ? q4::fp4::value(int(i)) : q4::dynamic8::value(int(i));
   return finish(q4::Status::Ok());
 }
 
 int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size) {
-  if (out == nullptr || out_size != 16) return finish(q4::Status::Invalid("rank order output needs 16 ints, got " + std::to_string(out_size)));
+  if (out == nullptr || out_size != 16)
+    return finish(q4::Status::Invalid("rank order output needs 16 ints, got " + std::to_string(out_size)));
   for (int r = 0; r < 16; ++r) out[r] = q4::fp4::nibble_of_rank(r);
   return finish(q4::Status::Ok());
 }
@@ -60,76 +55,33 @@ void q4_set_cpu_num_threads(int32_t n) { q4::set_cpu_num_threads(n); }
 
 int32_t q4_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, int32_t quant_type,
                          uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size) {
-  q4::Quantize4bitParams p;
-  p.x = x;
-  p.x_dtype = static_cast<q4::DType>(x_dtype);
-  p.n = n;
-  p.blocksize = blocksize;
-  p.quant_type = static_cast<q4::QuantType>(quant_type);
-  p.packed = packed;
-  p.packed_size = packed_size;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  return finish(q4::cpu::quantize_4bit(p));
+  return finish(q4::cpu::quantize_4bit(
+      q4::capi::quantize_4bit(x, x_dtype, n, blocksize, quant_type, packed, packed_size, absmax, absmax_size)));
 }
 
 int32_t q4_dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax, int64_t absmax_size,
                            int64_t n, int64_t blocksize, int32_t quant_type, void* out, int32_t out_dtype) {
-  q4::Dequantize4bitParams p;
-  p.packed = packed;
-  p.packed_size = packed_size;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  p.n = n;
-  p.blocksize = blocksize;
-  p.quant_type = static_cast<q4::QuantType>(quant_type);
-  p.out = out;
-  p.out_dtype = static_cast<q4::DType>(out_dtype);
-  return finish(q4::cpu::dequantize_4bit(p));
+  return finish(q4::cpu::dequantize_4bit(
+      q4::capi::dequantize_4bit(packed, packed_size, absmax, absmax_size, n, blocksize, quant_type, out, out_dtype)));
 }
 
 int32_t q4_quantize_blockwise(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, const float* code,
                               uint8_t* codes, int64_t codes_size, float* absmax, int64_t absmax_size) {
-  q4::QuantizeBlockwiseParams p;
-  p.x = x;
-  p.x_dtype = static_cast<q4::DType>(x_dtype);
-  p.n = n;
-  p.blocksize = blocksize;
-  p.code = code;
-  p.codes = codes;
-  p.codes_size = codes_size;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  return finish(q4::cpu::quantize_blockwise(p));
+  return finish(q4::cpu::quantize_blockwise(
+      q4::capi::quantize_blockwise(x, x_dtype, n, blocksize, code, codes, codes_size, absmax, absmax_size)));
 }
 
 int32_t q4_dequantize_blockwise(const uint8_t* codes, int64_t n, const float* absmax, int64_t absmax_size,
                                 int64_t blocksize, const float* code, int32_t add_offset, float offset, void* out,
                                 int32_t out_dtype) {
-  q4::DequantizeBlockwiseParams p;
-  p.codes = codes;
-  p.n = n;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  p.blocksize = blocksize;
-  p.code = code;
-  p.add_offset = add_offset != 0;
-  p.offset = offset;
-  p.out = out;
-  p.out_dtype = static_cast<q4::DType>(out_dtype);
-  return finish(q4::cpu::dequantize_blockwise(p));
+  return finish(q4::cpu::dequantize_blockwise(q4::capi::dequantize_blockwise(
+      codes, n, absmax, absmax_size, blocksize, code, add_offset, offset, out, out_dtype)));
 }
 
 int32_t q4_quantize_nested(const float* absmax, int64_t n_blocks, uint8_t* codes, float* absmax2, int64_t absmax2_size,
                            float* offset) {
-  q4::QuantizeNestedParams p;
-  p.absmax = absmax;
-  p.n_blocks = n_blocks;
-  p.codes = codes;
-  p.absmax2 = absmax2;
-  p.absmax2_size = absmax2_size;
-  p.offset = offset;
-  return finish(q4::cpu::quantize_nested(p));
+  return finish(
+      q4::cpu::quantize_nested(q4::capi::quantize_nested(absmax, n_blocks, codes, absmax2, absmax2_size, offset)));
 }
 
 }  // extern "C"

@@ -32,9 +32,8 @@ Q4_API void q4_set_cpu_num_threads(int32_t n);
 
 Q4_API int32_t q4_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, int32_t quant_type,
                                 uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size);
-Q4_API int32_t q4_dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax,
-                                  int64_t absmax_size, int64_t n, int64_t blocksize, int32_t quant_type, void* out,
-                                  int32_t out_dtype);
+Q4_API int32_t q4_dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax, int64_t absmax_size,
+                                  int64_t n, int64_t blocksize, int32_t quant_type, void* out, int32_t out_dtype);
 /* code: 256 sorted floats, or NULL for the dynamic map. */
 Q4_API int32_t q4_quantize_blockwise(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, const float* code,
                                      uint8_t* codes, int64_t codes_size, float* absmax, int64_t absmax_size);

@@ -23,17 +23,16 @@ Q4_API int32_t q4_cuda_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, 
                                      uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size,
                                      void* stream);
 Q4_API int32_t q4_cuda_dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax,
-                                       int64_t absmax_size, int64_t n, int64_t blocksize, int32_t quant_type,
-                                       void* out, int32_t out_dtype, void* stream);
+                                       int64_t absmax_size, int64_t n, int64_t blocksize, int32_t quant_type, void* out,
+                                       int32_t out_dtype, void* stream);
 /* code: 256 sorted floats in device memory, or NULL for the dynamic map. Its
  * order is not checked (it cannot be read on the host). */
 Q4_API int32_t q4_cuda_quantize_blockwise(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize,
                                           const float* code, uint8_t* codes, int64_t codes_size, float* absmax,
                                           int64_t absmax_size, void* stream);
-Q4_API int32_t q4_cuda_dequantize_blockwise(const uint8_t* codes, int64_t n, const float* absmax,
-                                            int64_t absmax_size, int64_t blocksize, const float* code,
-                                            int32_t add_offset, float offset, void* out, int32_t out_dtype,
-                                            void* stream);
+Q4_API int32_t q4_cuda_dequantize_blockwise(const uint8_t* codes, int64_t n, const float* absmax, int64_t absmax_size,
+                                            int64_t blocksize, const float* code, int32_t add_offset, float offset,
+                                            void* out, int32_t out_dtype, void* stream);
 /* offset: one float in device memory, written by the kernel. */
 Q4_API int32_t q4_cuda_quantize_nested(const float* absmax, int64_t n_blocks, uint8_t* codes, float* absmax2,
                                        int64_t absmax2_size, float* offset, void* stream);

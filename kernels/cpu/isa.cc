@@ -36,7 +36,8 @@ Status set_cpu_isa(int32_t isa) {
   if (isa == kIsaScalar) {
     g_isa = kIsaScalar;
   } else if (isa == kIsaAvx2) {
-    if (!detect_avx2()) return {kUnsupported, "this processor lacks AVX2/FMA/F16C; only the scalar path (0) is available"};
+    if (!detect_avx2())
+      return {kUnsupported, "this processor lacks AVX2/FMA/F16C; only the scalar path (0) is available"};
     g_isa = kIsaAvx2;
   } else {
     return Status::Invalid("isa must be 0 (scalar) or 1 (avx2), got " + std::to_string(isa));

@@ -8,12 +8,13 @@
 // encode(s) (nf4.h / fp4.h). Dequantize: out = decode(nibble) * absmax[b] in
 // fp32, rounded to the output dtype to nearest even. The scalar and AVX2
 // paths produce identical bytes and values (no FMA contraction anywhere).
+#include "q4/quant4.h"
+
 #include <algorithm>
 #include <cmath>
 
 #include "parallel.h"
 #include "q4/kernels.h"
-#include "q4/quant4.h"
 #include "simd_avx2.h"
 
 namespace q4 {
@@ -81,9 +82,9 @@ Q4_AVX2 RankTables rank_tables() {
   t.m11 = _mm256_set1_ps(Code4<QT>::midpoint(11));
   t.level3 = _mm256_setr_ps(Code4<QT>::midpoint(1), Code4<QT>::midpoint(5), Code4<QT>::midpoint(9),
                             Code4<QT>::midpoint(13), 0.f, 0.f, 0.f, 0.f);
-  t.level4 = _mm256_setr_ps(Code4<QT>::midpoint(0), Code4<QT>::midpoint(2), Code4<QT>::midpoint(4),
-                            Code4<QT>::midpoint(6), Code4<QT>::midpoint(8), Code4<QT>::midpoint(10),
-                            Code4<QT>::midpoint(12), Code4<QT>::midpoint(14));
+  t.level4 =
+      _mm256_setr_ps(Code4<QT>::midpoint(0), Code4<QT>::midpoint(2), Code4<QT>::midpoint(4), Code4<QT>::midpoint(6),
+                     Code4<QT>::midpoint(8), Code4<QT>::midpoint(10), Code4<QT>::midpoint(12), Code4<QT>::midpoint(14));
   return t;
 }
 
@@ -159,9 +160,9 @@ Q4_AVX2 void dequantize_block_avx2(const uint8_t* packed, int64_t len, float abs
     avx2::Vec<T>::store(vals + 8, _mm256_mul_ps(code_hi<QT>(), scale));
     const __m256i v16 = _mm256_load_si256(reinterpret_cast<const __m256i*>(vals));
     // split the 16-bit values into their low bytes and high bytes
-    const __m256i split = _mm256_shuffle_epi8(
-        v16, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3,
-                              5, 7, 9, 11, 13, 15));
+    const __m256i split =
+        _mm256_shuffle_epi8(v16, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8,
+                                                  10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
     const __m256i gathered = _mm256_permute4x64_epi64(split, 0xD8);  // lo0-7 lo8-15 | hi0-7 hi8-15
     const __m256i lo_tab = _mm256_permute2x128_si256(gathered, gathered, 0x00);
     const __m256i hi_tab = _mm256_permute2x128_si256(gathered, gathered, 0x11);

@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     if (__any_sync(0xffffffffu, nan)) m = __builtin_nanf("");
     const float scale = absmax_floor(m);
     const float inv = 1.0f / scale;
-    for (int64_t i = lane; i < len; i += 32)
-      codes[start + i] = uint8_t(encode8_nearest(book, input(i), scale, inv));
+    for (int64_t i = lane; i < len; i += 32) codes[start + i] = uint8_t(encode8_nearest(book, input(i), scale, inv));
     if (lane == 0) absmax[b] = m;
   }
 }
@@ -170,8 +169,7 @@ Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, co
   const int grid = int(std::min(ceil_div(p.n, kThreads), kMaxGrid));
   Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
     dequantize_8bit_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        p.codes, p.absmax, p.n, log2_of(p.blocksize), p.code, p.add_offset, p.offset, offset,
-        static_cast<T*>(p.out));
+        p.codes, p.absmax, p.n, log2_of(p.blocksize), p.code, p.add_offset, p.offset, offset, static_cast<T*>(p.out));
   });
   return launch_status("dequantize_blockwise");
 }

@@ -354,8 +354,8 @@ def test_cuda_rejects_wrong_sizes_and_null_pointers():
     assert LIB.q4_cuda_last_error() == b"nested absmax output has 1 elements, expected 2"
 
 
-def test_cuda_errors_are_separate_from_cpu_errors():
+def test_cuda_and_cpu_entry_points_share_the_thread_error_slot():
     LIB.q4_cuda_quantize_4bit(None, 0, 100, 48, 0, None, 50, None, 3, None)
+    assert LIB.q4_last_error() == b"blocksize must be a power of two in [32, 4096], got 48"
     assert LIB.q4_quantize_4bit(None, 7, 100, 64, 0, None, 50, None, 2) == 1
-    assert b"dtype" in LIB.q4_last_error()
-    assert LIB.q4_cuda_last_error() == b"blocksize must be a power of two in [32, 4096], got 48"
+    assert b"dtype" in LIB.q4_cuda_last_error()

@@ -79,7 +79,7 @@ Q4_HD uint16_t f32_to_f16(float f) {
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // nan
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);                        // rounds to >= 65520: inf
   if (a < 0x38800000u) {
     // result is subnormal or zero: add 0.5 in fp32 so the hardware rounds the
     // mantissa bits to nearest even at the 2^-24 position.

@@ -35,23 +35,23 @@ struct Quantize4bitParams {
   const void* x = nullptr;  // [n] of x_dtype (fp32 / fp16 / bf16)
   DType x_dtype = kF32;
   int64_t n = 0;
-  int64_t blocksize = 64;   // power of two in [32, 4096]
+  int64_t blocksize = 64;  // power of two in [32, 4096]
   QuantType quant_type = kNF4;
   uint8_t* packed = nullptr;  // [packed_size] == ceil(n/2)
   int64_t packed_size = 0;
-  float* absmax = nullptr;    // [absmax_size] == ceil(n/blocksize)
+  float* absmax = nullptr;  // [absmax_size] == ceil(n/blocksize)
   int64_t absmax_size = 0;
 };
 
 struct Dequantize4bitParams {
   const uint8_t* packed = nullptr;  // [packed_size] == ceil(n/2)
   int64_t packed_size = 0;
-  const float* absmax = nullptr;    // [absmax_size] == ceil(n/blocksize)
+  const float* absmax = nullptr;  // [absmax_size] == ceil(n/blocksize)
   int64_t absmax_size = 0;
   int64_t n = 0;
   int64_t blocksize = 64;
   QuantType quant_type = kNF4;
-  void* out = nullptr;              // [n] of out_dtype
+  void* out = nullptr;  // [n] of out_dtype
   DType out_dtype = kF32;
 };
 
@@ -63,20 +63,20 @@ struct QuantizeBlockwiseParams {
   const float* code = nullptr;  // [256] sorted ascending; null = dynamic map
   uint8_t* codes = nullptr;     // [codes_size] == n
   int64_t codes_size = 0;
-  float* absmax = nullptr;      // [absmax_size] == ceil(n/blocksize)
+  float* absmax = nullptr;  // [absmax_size] == ceil(n/blocksize)
   int64_t absmax_size = 0;
 };
 
 struct DequantizeBlockwiseParams {
   const uint8_t* codes = nullptr;  // [n]
   int64_t n = 0;
-  const float* absmax = nullptr;   // [absmax_size] == ceil(n/blocksize)
+  const float* absmax = nullptr;  // [absmax_size] == ceil(n/blocksize)
   int64_t absmax_size = 0;
   int64_t blocksize = 256;
-  const float* code = nullptr;     // [256]; null = dynamic map
-  bool add_offset = false;         // nested absmax: out = fp32(code[q]*absmax) + offset
+  const float* code = nullptr;  // [256]; null = dynamic map
+  bool add_offset = false;      // nested absmax: out = fp32(code[q]*absmax) + offset
   float offset = 0.0f;
-  void* out = nullptr;             // [n] of out_dtype
+  void* out = nullptr;  // [n] of out_dtype
   DType out_dtype = kF32;
 };
 
@@ -86,10 +86,10 @@ struct DequantizeBlockwiseParams {
 struct QuantizeNestedParams {
   const float* absmax = nullptr;  // [n_blocks]
   int64_t n_blocks = 0;
-  uint8_t* codes = nullptr;       // [n_blocks]
-  float* absmax2 = nullptr;       // [absmax2_size] == ceil(n_blocks/256)
+  uint8_t* codes = nullptr;  // [n_blocks]
+  float* absmax2 = nullptr;  // [absmax2_size] == ceil(n_blocks/256)
   int64_t absmax2_size = 0;
-  float* offset = nullptr;        // [1]
+  float* offset = nullptr;  // [1]
 };
 
 namespace cpu {
@@ -126,8 +126,8 @@ Status validate_code_book(const float* code);
 
 // Runtime configuration of the CPU kernels.
 enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1 };
-Isa cpu_isa();                 // active instruction set
-bool cpu_has_avx2();           // what the processor supports
+Isa cpu_isa();                    // active instruction set
+bool cpu_has_avx2();              // what the processor supports
 Status set_cpu_isa(int32_t isa);  // force one (scalar always; avx2 if supported)
 int cpu_num_threads();
 void set_cpu_num_threads(int n);  // n <= 0: back to the default

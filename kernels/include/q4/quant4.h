@@ -28,15 +28,15 @@ struct Code4<kFP4> {
 }  // namespace q4
 
 // Q4_QUANT_SWITCH(qt, QT, ...): run the body with `constexpr QuantType QT`.
-#define Q4_QUANT_SWITCH(qt, QT, ...)           \
-  [&] {                                        \
-    if ((qt) == ::q4::kNF4) {                  \
+#define Q4_QUANT_SWITCH(qt, QT, ...)             \
+  [&] {                                          \
+    if ((qt) == ::q4::kNF4) {                    \
       constexpr ::q4::QuantType QT = ::q4::kNF4; \
-      return __VA_ARGS__();                    \
-    } else {                                   \
+      return __VA_ARGS__();                      \
+    } else {                                     \
       constexpr ::q4::QuantType QT = ::q4::kFP4; \
-      return __VA_ARGS__();                    \
-    }                                          \
+      return __VA_ARGS__();                      \
+    }                                            \
   }()
 
 // Q4_DTYPE_SWITCH(dt, T, ...): run the body with T = float / f16_t / bf16_t.

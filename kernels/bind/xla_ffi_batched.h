@@ -1,0 +1,302 @@
+// Shared by the CPU (xla_ffi.cc) and CUDA (xla_ffi_cuda.cu) XLA FFI handlers:
+// the argument bindings of each op and its batched implementation.
+//
+// Batching: every buffer may hold `batch` independent items of the per-item
+// sizes given by the attributes (what vmap_method="broadcast_all" produces);
+// the op runs once per item. The code book and the offset may be given once
+// for all items. `run(params)` executes one item on the handler's device
+// (dequantize_blockwise: `run(params, offset_ptr)`, offset_ptr pointing into
+// the offset buffer in that device's memory, or null).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "q4/kernels.h"
+#include "q4/packing.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace q4 {
+namespace xla_bind {
+
+namespace ffi = ::xla::ffi;
+
+inline ffi::Error to_ffi(const Status& s) {
+  switch (s.code) {
+    case kOk:
+      return ffi::Error::Success();
+    case kInvalidArgument:
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, s.message);
+    case kUnsupported:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, s.message);
+    default:
+      return ffi::Error(ffi::ErrorCode::kInternal, s.message);
+  }
+}
+
+inline ffi::Error invalid(const std::string& m) { return ffi::Error(ffi::ErrorCode::kInvalidArgument, m); }
+
+inline bool dtype_of(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32:
+      *out = kF32;
+      return true;
+    case ffi::DataType::F16:
+      *out = kF16;
+      return true;
+    case ffi::DataType::BF16:
+      *out = kBF16;
+      return true;
+    default:
+      return false;
+  }
+}
+inline int64_t elem_bytes(DType d) { return d == kF32 ? 4 : 2; }
+
+// Number of items in a buffer of `count` elements holding items of `per_item`.
+inline ffi::Error batch_of(const char* what, int64_t count, int64_t per_item, int64_t* batch) {
+  if (per_item <= 0 || count % per_item != 0)
+    return invalid(std::string(what) + " has " + std::to_string(count) + " elements, not a multiple of " +
+                   std::to_string(per_item));
+  *batch = count / per_item;
+  return ffi::Error::Success();
+}
+
+// A buffer given once (1 item) or once per item.
+inline ffi::Error batch_or_one(const char* what, int64_t count, int64_t per_item, int64_t batch, bool* per_item_out) {
+  int64_t b = 0;
+  ffi::Error e = batch_of(what, count, per_item, &b);
+  if (e.failure()) return e;
+  if (b != batch && b != 1)
+    return invalid(std::string(what) + " holds " + std::to_string(b) + " items, expected 1 or " +
+                   std::to_string(batch));
+  *per_item_out = (b == batch);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error same_batch(const char* what, int64_t count, int64_t per_item, int64_t batch) {
+  int64_t b = 0;
+  ffi::Error e = batch_of(what, count, per_item, &b);
+  if (e.failure()) return e;
+  if (b != batch)
+    return invalid(std::string(what) + " holds " + std::to_string(b) + " items, expected " + std::to_string(batch));
+  return ffi::Error::Success();
+}
+
+#define Q4_FFI_CHECK(expr)         \
+  do {                             \
+    ::xla::ffi::Error _e = (expr); \
+    if (_e.failure()) return _e;   \
+  } while (0)
+
+// ------------------------------------------------------------------ bindings
+// Each takes the start of a binding (plain, or with a platform-stream context)
+// and appends the op's arguments, results and attributes.
+
+template <class B>
+auto bind_quantize_4bit(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x: [batch * n] f32/f16/bf16
+      .template Ret<ffi::Buffer<ffi::U8>>()   // packed: [batch * ceil(n/2)]
+      .template Ret<ffi::Buffer<ffi::F32>>()  // absmax: [batch * ceil(n/bs)]
+      .template Attr<int64_t>("n")            // elements per item
+      .template Attr<int64_t>("blocksize")    // power of two in [32, 4096]
+      .template Attr<int64_t>("quant_type");  // 0 nf4, 1 fp4
+}
+
+template <class B>
+auto bind_dequantize_4bit(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::U8>>()   // packed: [batch * ceil(n/2)]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // absmax: [batch * ceil(n/bs)]
+      .template Ret<ffi::AnyBuffer>()         // out: [batch * n] f32/f16/bf16
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("blocksize")
+      .template Attr<int64_t>("quant_type");
+}
+
+template <class B>
+auto bind_quantize_blockwise(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x: [batch * n]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // code book: [256] or [batch * 256]
+      .template Ret<ffi::Buffer<ffi::U8>>()   // codes: [batch * n]
+      .template Ret<ffi::Buffer<ffi::F32>>()  // absmax: [batch * ceil(n/bs)]
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("blocksize");
+}
+
+template <class B>
+auto bind_dequantize_blockwise(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::U8>>()   // codes: [batch * n]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // absmax: [batch * ceil(n/bs)]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // code book: [256] or [batch * 256]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // offset: [1] or [batch]
+      .template Ret<ffi::AnyBuffer>()         // out: [batch * n]
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("blocksize")
+      .template Attr<int64_t>("add_offset");  // 1: nested absmax decode
+}
+
+template <class B>
+auto bind_quantize_nested(B b) {
+  return std::move(b)
+      .template Arg<ffi::Buffer<ffi::F32>>()  // absmax: [batch * n_blocks]
+      .template Ret<ffi::Buffer<ffi::U8>>()   // codes: [batch * n_blocks]
+      .template Ret<ffi::Buffer<ffi::F32>>()  // absmax2: [batch * ceil(n_blocks/256)]
+      .template Ret<ffi::Buffer<ffi::F32>>()  // offset: [batch]
+      .template Attr<int64_t>("n_blocks");
+}
+
+// ------------------------------------------------------- batched operations
+
+template <class Run>
+ffi::Error quantize_4bit_batched(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> packed,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> absmax, int64_t n, int64_t blocksize,
+                                 int64_t quant_type, Run run) {
+  Quantize4bitParams p;
+  if (!dtype_of(x.element_type(), &p.x_dtype))
+    return invalid("quantize_4bit input must be float32, float16 or bfloat16");
+  p.n = n;
+  p.blocksize = blocksize;
+  p.quant_type = static_cast<QuantType>(quant_type);
+  p.packed_size = packed_bytes(n);
+  p.absmax_size = blocksize > 0 ? ceil_div(n, blocksize) : 0;
+  p.x = x.untyped_data();
+  p.packed = packed->typed_data();
+  p.absmax = absmax->typed_data();
+  Q4_FFI_CHECK(to_ffi(validate(p)));
+  int64_t batch = 0;
+  Q4_FFI_CHECK(batch_of("input", x.element_count(), n, &batch));
+  Q4_FFI_CHECK(same_batch("packed output", packed->element_count(), p.packed_size, batch));
+  Q4_FFI_CHECK(same_batch("absmax output", absmax->element_count(), p.absmax_size, batch));
+  const char* xb = static_cast<const char*>(x.untyped_data());
+  for (int64_t i = 0; i < batch; ++i) {
+    p.x = xb + i * n * elem_bytes(p.x_dtype);
+    p.packed = packed->typed_data() + i * p.packed_size;
+    p.absmax = absmax->typed_data() + i * p.absmax_size;
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error dequantize_4bit_batched(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> absmax,
+                                   ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t quant_type,
+                                   Run run) {
+  Dequantize4bitParams p;
+  if (!dtype_of(out->element_type(), &p.out_dtype))
+    return invalid("dequantize_4bit output must be float32, float16 or bfloat16");
+  p.n = n;
+  p.blocksize = blocksize;
+  p.quant_type = static_cast<QuantType>(quant_type);
+  p.packed_size = packed_bytes(n);
+  p.absmax_size = blocksize > 0 ? ceil_div(n, blocksize) : 0;
+  p.packed = packed.typed_data();
+  p.absmax = absmax.typed_data();
+  p.out = out->untyped_data();
+  Q4_FFI_CHECK(to_ffi(validate(p)));
+  int64_t batch = 0;
+  Q4_FFI_CHECK(batch_of("output", out->element_count(), n, &batch));
+  Q4_FFI_CHECK(same_batch("packed input", packed.element_count(), p.packed_size, batch));
+  Q4_FFI_CHECK(same_batch("absmax", absmax.element_count(), p.absmax_size, batch));
+  char* ob = static_cast<char*>(out->untyped_data());
+  for (int64_t i = 0; i < batch; ++i) {
+    p.packed = packed.typed_data() + i * p.packed_size;
+    p.absmax = absmax.typed_data() + i * p.absmax_size;
+    p.out = ob + i * n * elem_bytes(p.out_dtype);
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error quantize_blockwise_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> code,
+                                      ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                                      ffi::Result<ffi::Buffer<ffi::F32>> absmax, int64_t n, int64_t blocksize,
+                                      Run run) {
+  QuantizeBlockwiseParams p;
+  if (!dtype_of(x.element_type(), &p.x_dtype))
+    return invalid("quantize_blockwise input must be float32, float16 or bfloat16");
+  p.n = n;
+  p.blocksize = blocksize;
+  p.codes_size = n;
+  p.absmax_size = blocksize > 0 ? ceil_div(n, blocksize) : 0;
+  int64_t batch = 0;
+  bool code_per_item = false;
+  Q4_FFI_CHECK(batch_of("input", x.element_count(), n, &batch));
+  Q4_FFI_CHECK(same_batch("codes output", codes->element_count(), n, batch));
+  Q4_FFI_CHECK(same_batch("absmax output", absmax->element_count(), p.absmax_size, batch));
+  Q4_FFI_CHECK(batch_or_one("code book", code.element_count(), 256, batch, &code_per_item));
+  const char* xb = static_cast<const char*>(x.untyped_data());
+  for (int64_t i = 0; i < batch; ++i) {
+    p.x = xb + i * n * elem_bytes(p.x_dtype);
+    p.code = code.typed_data() + (code_per_item ? i * 256 : 0);
+    p.codes = codes->typed_data() + i * n;
+    p.absmax = absmax->typed_data() + i * p.absmax_size;
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error dequantize_blockwise_batched(ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> absmax,
+                                        ffi::Buffer<ffi::F32> code, ffi::Buffer<ffi::F32> offset,
+                                        ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize,
+                                        int64_t add_offset, Run run) {
+  DequantizeBlockwiseParams p;
+  if (!dtype_of(out->element_type(), &p.out_dtype))
+    return invalid("dequantize_blockwise output must be float32, float16 or bfloat16");
+  p.n = n;
+  p.blocksize = blocksize;
+  p.absmax_size = blocksize > 0 ? ceil_div(n, blocksize) : 0;
+  p.add_offset = add_offset != 0;
+  int64_t batch = 0;
+  bool code_per_item = false, offset_per_item = false;
+  Q4_FFI_CHECK(batch_of("output", out->element_count(), n, &batch));
+  Q4_FFI_CHECK(same_batch("codes", codes.element_count(), n, batch));
+  Q4_FFI_CHECK(same_batch("absmax", absmax.element_count(), p.absmax_size, batch));
+  Q4_FFI_CHECK(batch_or_one("code book", code.element_count(), 256, batch, &code_per_item));
+  Q4_FFI_CHECK(batch_or_one("offset", offset.element_count(), 1, batch, &offset_per_item));
+  char* ob = static_cast<char*>(out->untyped_data());
+  for (int64_t i = 0; i < batch; ++i) {
+    p.codes = codes.typed_data() + i * n;
+    p.absmax = absmax.typed_data() + i * p.absmax_size;
+    p.code = code.typed_data() + (code_per_item ? i * 256 : 0);
+    p.out = ob + i * n * elem_bytes(p.out_dtype);
+    const float* off = p.add_offset ? offset.typed_data() + (offset_per_item ? i : 0) : nullptr;
+    Q4_FFI_CHECK(to_ffi(run(p, off)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error quantize_nested_batched(ffi::Buffer<ffi::F32> absmax, ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> absmax2,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> offset, int64_t n_blocks, Run run) {
+  QuantizeNestedParams p;
+  p.n_blocks = n_blocks;
+  p.absmax2_size = n_blocks > 0 ? ceil_div(n_blocks, kNestedBlocksize) : 0;
+  int64_t batch = 0;
+  Q4_FFI_CHECK(batch_of("absmax", absmax.element_count(), n_blocks, &batch));
+  Q4_FFI_CHECK(same_batch("nested codes", codes->element_count(), n_blocks, batch));
+  Q4_FFI_CHECK(same_batch("nested absmax", absmax2->element_count(), p.absmax2_size, batch));
+  Q4_FFI_CHECK(same_batch("nested offset", offset->element_count(), 1, batch));
+  for (int64_t i = 0; i < batch; ++i) {
+    p.absmax = absmax.typed_data() + i * n_blocks;
+    p.codes = codes->typed_data() + i * n_blocks;
+    p.absmax2 = absmax2->typed_data() + i * p.absmax2_size;
+    p.offset = offset->typed_data() + i;
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace xla_bind
+}  // namespace q4
+
+// The handler symbols are looked up by name from Python (ctypes), so they
+// need default visibility despite -fvisibility=hidden.
+#define Q4_FFI_HANDLER(name) extern "C" Q4_API XLA_FFI_Error* name(XLA_FFI_CallFrame* call_frame);
