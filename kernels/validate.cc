@@ -105,6 +105,87 @@ Status validate(const QuantizeNestedParams& p) {
   return Status::Ok();
 }
 
+namespace {
+
+Status check_dims(int64_t m, int64_t n, int64_t k) {
+  if (m <= 0 || n <= 0 || k <= 0)
+    return Status::Invalid("matmul dimensions must be positive, got m=" + S(m) + " n=" + S(n) + " k=" + S(k));
+  return Status::Ok();
+}
+
+Status check_scales(const Absmax4& a, int64_t n_elements, int64_t blocksize) {
+  const int64_t want = ceil_div(n_elements, blocksize);
+  if (a.n_blocks != want)
+    return Status::Invalid("absmax has " + S(a.n_blocks) + " elements, expected " + S(want) + " (ceil(" +
+                           S(n_elements) + " / blocksize " + S(blocksize) + "))");
+  if (!a.nested()) return check_ptr(a.absmax, "absmax");
+  Q4_RETURN_IF_ERROR(check_ptr(a.nested_absmax, "nested absmax"));
+  return check_size("nested absmax", a.nested_absmax_size, ceil_div(a.n_blocks, kNestedBlocksize));
+}
+
+template <class P>
+Status check_4bit_weight(const P& p) {
+  Q4_RETURN_IF_ERROR(check_dims(p.m, p.n, p.k));
+  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_quant_type(p.quant_type));
+  Q4_RETURN_IF_ERROR(check_ptr(p.packed, "packed weight"));
+  Q4_RETURN_IF_ERROR(check_size("packed weight", p.packed_size, packed_bytes(p.n * p.k)));
+  return check_scales(p.scales, p.n * p.k, p.blocksize);
+}
+
+}  // namespace
+
+Status validate(const Gemm4bitParams& p) {
+  Q4_RETURN_IF_ERROR(check_4bit_weight(p));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.out_dtype, "output dtype"));
+  if (p.bias != nullptr) Q4_RETURN_IF_ERROR(check_float_dtype(p.bias_dtype, "bias dtype"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
+  return check_ptr(p.out, "output");
+}
+
+Status validate(const Gemm4bitGradInputParams& p) {
+  Q4_RETURN_IF_ERROR(check_4bit_weight(p));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.grad_out_dtype, "grad_out dtype"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.grad_input_dtype, "grad_input dtype"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.grad_out, "grad_out"));
+  return check_ptr(p.grad_input, "grad_input");
+}
+
+Status validate(const Int8QuantizeRowsParams& p) {
+  if (p.rows <= 0 || p.cols <= 0)
+    return Status::Invalid("int8 row quantization needs a non-empty matrix, got " + S(p.rows) + " x " + S(p.cols));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
+  if (!(p.threshold >= 0.0f))
+    return Status::Invalid("threshold must be >= 0 (0 disables outliers), got " + std::to_string(p.threshold));
+  Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.q, "int8 output"));
+  return check_ptr(p.row_stats, "row_stats output");
+}
+
+Status validate(const Int8LinearParams& p) {
+  Q4_RETURN_IF_ERROR(check_dims(p.m, p.n, p.k));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.out_dtype, "output dtype"));
+  if (p.bias != nullptr) Q4_RETURN_IF_ERROR(check_float_dtype(p.bias_dtype, "bias dtype"));
+  if (!(p.threshold >= 0.0f))
+    return Status::Invalid("threshold must be >= 0 (0 disables outliers), got " + std::to_string(p.threshold));
+  Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.weight, "int8 weight"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.weight_scale, "weight scale"));
+  return check_ptr(p.out, "output");
+}
+
+Status validate(const Int8GradInputParams& p) {
+  Q4_RETURN_IF_ERROR(check_dims(p.m, p.n, p.k));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.grad_out_dtype, "grad_out dtype"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.grad_input_dtype, "grad_input dtype"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.grad_out, "grad_out"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.weight, "int8 weight"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.weight_scale, "weight scale"));
+  return check_ptr(p.grad_input, "grad_input");
+}
+
 Status validate_code_book(const float* code) {
   if (code == nullptr) return Status::Ok();
   for (int i = 0; i + 1 < 256; ++i)

@@ -1,5 +1,6 @@
 """q4jax: the JAX front end of q4 (XLA FFI custom calls into the shared kernels)."""
 
+from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import (
     QuantState,
     dequantize_4bit,
@@ -12,6 +13,8 @@ __all__ = [
     "QuantState",
     "dequantize_4bit",
     "dequantize_blockwise",
+    "matmul_4bit",
+    "matmul_8bit",
     "quantize_4bit",
     "quantize_blockwise",
 ]

@@ -20,6 +20,9 @@ from q4torch._src import ops
 
 __all__ = [
     "QuantState",
+    "int8_linear",
+    "int8_vectorwise_quant",
+    "matmul_4bit",
     "dequantize_4bit",
     "dequantize_blockwise",
     "dequantize_fp4",
@@ -388,3 +391,63 @@ def dequantize_blockwise(
     if out is not None:
         result = out.copy_(result)
     return result
+
+
+def matmul_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    quant_state: QuantState,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A . dequantize(B)^T (+ bias) through the fused kernels, differentiable in
+    A and bias (the quantized weight is frozen). B is the packed weight (any
+    quant_storage view, transposed or not); quant_state.shape = (out, in).
+
+    Neither direction materialises the dequantized weight; the backward uses
+    the packed weight saved by the forward (save_for_backward).
+    """
+    if quant_state is None:
+        raise ValueError("matmul_4bit needs the weight's quant_state")
+    if len(quant_state.shape) != 2:
+        raise ValueError(f"matmul_4bit needs a 2-D weight, quant_state.shape is {tuple(quant_state.shape)}")
+    n, k = (int(s) for s in quant_state.shape)
+    packed = B if B.dtype == torch.uint8 else B.view(torch.uint8)
+    nested = quant_state.nested
+    y = ops.gemm_4bit(
+        A,
+        packed.reshape(-1),
+        quant_state.absmax,
+        quant_state.state2.absmax if nested else None,
+        quant_state.offset if nested else None,
+        n,
+        k,
+        int(quant_state.blocksize),
+        quant_state.quant_type,
+        bias,
+    )
+    if out is not None:
+        return out.copy_(y)
+    return y
+
+
+def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0):
+    """LLM.int8 row-wise quantization, as bitsandbytes.functional.int8_vectorwise_quant:
+    (int8 rows, fp32 row_stats, outlier column indices or None when threshold is 0)."""
+    rows = A.reshape(-1, A.shape[-1])
+    q, stats, cols = ops.int8_quantize_rows(rows, float(threshold))
+    outlier_cols = torch.nonzero(cols).reshape(-1) if threshold > 0 else None
+    return q.reshape(A.shape), stats, outlier_cols
+
+
+def int8_linear(
+    A: torch.Tensor,
+    CB: torch.Tensor,
+    SCB: torch.Tensor,
+    threshold: float = 0.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LLM.int8 linear through the fused kernel, differentiable in A and bias:
+    y ~= A . (CB * SCB / 127)^T (+ bias); input columns with any |A| >= threshold
+    (threshold > 0) go through fp32 unquantized."""
+    return ops.int8_linear(A, CB, SCB, float(threshold), bias)

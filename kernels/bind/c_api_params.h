@@ -100,5 +100,108 @@ inline QuantizeNestedParams quantize_nested(const float* absmax, int64_t n_block
   return p;
 }
 
+inline Absmax4 scales(const float* absmax, const uint8_t* nested_codes, const float* nested_absmax,
+                      int64_t nested_absmax_size, const float* nested_code, float nested_offset, int64_t n_blocks) {
+  Absmax4 a;
+  a.absmax = nested_codes ? nullptr : absmax;
+  a.nested_codes = nested_codes;
+  a.nested_absmax = nested_absmax;
+  a.nested_absmax_size = nested_absmax_size;
+  a.nested_code = nested_code;
+  a.nested_offset = nested_offset;
+  a.n_blocks = n_blocks;
+  return a;
+}
+
+inline Gemm4bitParams gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k, const uint8_t* packed,
+                                int64_t packed_size, Absmax4 scales, int64_t blocksize, int32_t quant_type,
+                                const void* bias, int32_t bias_dtype, void* out, int32_t out_dtype) {
+  Gemm4bitParams p;
+  p.x = x;
+  p.x_dtype = static_cast<DType>(x_dtype);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.packed = packed;
+  p.packed_size = packed_size;
+  p.scales = scales;
+  p.blocksize = blocksize;
+  p.quant_type = static_cast<QuantType>(quant_type);
+  p.bias = bias;
+  p.bias_dtype = static_cast<DType>(bias_dtype);
+  p.out = out;
+  p.out_dtype = static_cast<DType>(out_dtype);
+  return p;
+}
+
+inline Gemm4bitGradInputParams gemm_4bit_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n,
+                                                    int64_t k, const uint8_t* packed, int64_t packed_size,
+                                                    Absmax4 scales, int64_t blocksize, int32_t quant_type,
+                                                    void* grad_input, int32_t grad_input_dtype) {
+  Gemm4bitGradInputParams p;
+  p.grad_out = grad_out;
+  p.grad_out_dtype = static_cast<DType>(grad_out_dtype);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.packed = packed;
+  p.packed_size = packed_size;
+  p.scales = scales;
+  p.blocksize = blocksize;
+  p.quant_type = static_cast<QuantType>(quant_type);
+  p.grad_input = grad_input;
+  p.grad_input_dtype = static_cast<DType>(grad_input_dtype);
+  return p;
+}
+
+inline Int8QuantizeRowsParams int8_quantize_rows(const void* x, int32_t x_dtype, int64_t rows, int64_t cols,
+                                                 float threshold, int8_t* q, float* row_stats, uint8_t* outlier_cols) {
+  Int8QuantizeRowsParams p;
+  p.x = x;
+  p.x_dtype = static_cast<DType>(x_dtype);
+  p.rows = rows;
+  p.cols = cols;
+  p.threshold = threshold;
+  p.q = q;
+  p.row_stats = row_stats;
+  p.outlier_cols = outlier_cols;
+  return p;
+}
+
+inline Int8LinearParams int8_linear(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k,
+                                    const int8_t* weight, const float* weight_scale, float threshold, const void* bias,
+                                    int32_t bias_dtype, void* out, int32_t out_dtype) {
+  Int8LinearParams p;
+  p.x = x;
+  p.x_dtype = static_cast<DType>(x_dtype);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.weight = weight;
+  p.weight_scale = weight_scale;
+  p.threshold = threshold;
+  p.bias = bias;
+  p.bias_dtype = static_cast<DType>(bias_dtype);
+  p.out = out;
+  p.out_dtype = static_cast<DType>(out_dtype);
+  return p;
+}
+
+inline Int8GradInputParams int8_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n,
+                                           int64_t k, const int8_t* weight, const float* weight_scale, void* grad_input,
+                                           int32_t grad_input_dtype) {
+  Int8GradInputParams p;
+  p.grad_out = grad_out;
+  p.grad_out_dtype = static_cast<DType>(grad_out_dtype);
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.weight = weight;
+  p.weight_scale = weight_scale;
+  p.grad_input = grad_input;
+  p.grad_input_dtype = static_cast<DType>(grad_input_dtype);
+  return p;
+}
+
 }  // namespace capi
 }  // namespace q4

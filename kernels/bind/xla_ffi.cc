@@ -44,6 +44,35 @@ ffi::Error QuantizeNested(ffi::Buffer<ffi::F32> absmax, ffi::Result<ffi::Buffer<
                                  [](const QuantizeNestedParams& p) { return cpu::quantize_nested(p); });
 }
 
+ffi::Error Gemm4bit(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                    ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
+                    ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
+                    int64_t nested) {
+  return gemm_4bit_batched(x, packed, absmax, nested_absmax, nested_offset, bias, out, n, k, blocksize, quant_type,
+                           nested, [](const Gemm4bitParams& p) { return cpu::gemm_4bit(p); });
+}
+
+ffi::Error Gemm4bitGradInput(ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                             ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset,
+                             ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k, int64_t blocksize,
+                             int64_t quant_type, int64_t nested) {
+  return gemm_4bit_grad_input_batched(grad_out, packed, absmax, nested_absmax, nested_offset, grad_input, n, k,
+                                      blocksize, quant_type, nested,
+                                      [](const Gemm4bitGradInputParams& p) { return cpu::gemm_4bit_grad_input(p); });
+}
+
+ffi::Error Int8Linear(ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer bias,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, float threshold) {
+  return int8_linear_batched(x, weight, scale, bias, out, n, k, threshold,
+                             [](const Int8LinearParams& p) { return cpu::int8_linear(p); });
+}
+
+ffi::Error Int8GradInput(ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
+                         ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k) {
+  return int8_grad_input_batched(grad_out, weight, scale, grad_input, n, k,
+                                 [](const Int8GradInputParams& p) { return cpu::int8_grad_input(p); });
+}
+
 }  // namespace
 }  // namespace xla_bind
 }  // namespace q4
@@ -64,3 +93,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_dequantize_blockwise, xb::DequantizeBlockwi
 Q4_FFI_HANDLER(q4_ffi_quantize_nested)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_quantize_nested, xb::QuantizeNested,
                               xb::bind_quantize_nested(xb::ffi::Ffi::Bind()));
+Q4_FFI_HANDLER(q4_ffi_gemm_4bit)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_gemm_4bit, xb::Gemm4bit, xb::bind_gemm_4bit(xb::ffi::Ffi::Bind()));
+Q4_FFI_HANDLER(q4_ffi_gemm_4bit_grad_input)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_gemm_4bit_grad_input, xb::Gemm4bitGradInput,
+                              xb::bind_gemm_4bit_grad_input(xb::ffi::Ffi::Bind()));
+Q4_FFI_HANDLER(q4_ffi_int8_linear)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_linear, xb::Int8Linear, xb::bind_int8_linear(xb::ffi::Ffi::Bind()));
+Q4_FFI_HANDLER(q4_ffi_int8_grad_input)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_grad_input, xb::Int8GradInput,
+                              xb::bind_int8_grad_input(xb::ffi::Ffi::Bind()));

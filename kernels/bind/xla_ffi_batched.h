@@ -150,6 +150,68 @@ auto bind_quantize_nested(B b) {
       .template Attr<int64_t>("n_blocks");
 }
 
+// gemm_4bit / gemm_4bit_grad_input. Scales: `absmax` is f32 [n_blocks] or, with
+// nested=1, u8 codes [n_blocks] plus nested_absmax f32 and nested_offset f32[1]
+// (pass empty arrays when not nested). Bias: f32/f16/bf16 [n] or empty.
+template <class B>
+auto bind_gemm_4bit(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x: [..., m, k] (rows = all leading dims)
+      .template Arg<ffi::Buffer<ffi::U8>>()   // packed W [n, k] (or [batch, ...] stacked)
+      .template Arg<ffi::AnyBuffer>()         // absmax: f32, or u8 codes when nested
+      .template Arg<ffi::Buffer<ffi::F32>>()  // nested_absmax (empty when plain)
+      .template Arg<ffi::Buffer<ffi::F32>>()  // nested_offset: [1] per weight (empty when plain)
+      .template Arg<ffi::AnyBuffer>()         // bias [n] (empty: none)
+      .template Ret<ffi::AnyBuffer>()         // y: [..., m, n]
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("k")
+      .template Attr<int64_t>("blocksize")
+      .template Attr<int64_t>("quant_type")
+      .template Attr<int64_t>("nested");
+}
+
+template <class B>
+auto bind_gemm_4bit_grad_input(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // grad_out: [..., m, n]
+      .template Arg<ffi::Buffer<ffi::U8>>()   // packed W [n, k]
+      .template Arg<ffi::AnyBuffer>()         // absmax (see bind_gemm_4bit)
+      .template Arg<ffi::Buffer<ffi::F32>>()  // nested_absmax
+      .template Arg<ffi::Buffer<ffi::F32>>()  // nested_offset
+      .template Ret<ffi::AnyBuffer>()         // grad_input: [..., m, k]
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("k")
+      .template Attr<int64_t>("blocksize")
+      .template Attr<int64_t>("quant_type")
+      .template Attr<int64_t>("nested");
+}
+
+// LLM.int8 linear and its input gradient. Weight: int8 CB [n, k] and fp32
+// SCB [n] (stacked: [batch, n, k] / [batch, n]).
+template <class B>
+auto bind_int8_linear(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x: [..., m, k]
+      .template Arg<ffi::Buffer<ffi::S8>>()   // CB [n, k]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // SCB [n]
+      .template Arg<ffi::AnyBuffer>()         // bias [n] (empty: none)
+      .template Ret<ffi::AnyBuffer>()         // y: [..., m, n]
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("k")
+      .template Attr<float>("threshold");  // 0: no outlier decomposition
+}
+
+template <class B>
+auto bind_int8_grad_input(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // grad_out: [..., m, n]
+      .template Arg<ffi::Buffer<ffi::S8>>()   // CB [n, k]
+      .template Arg<ffi::Buffer<ffi::F32>>()  // SCB [n]
+      .template Ret<ffi::AnyBuffer>()         // grad_input: [..., m, k]
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("k");
+}
+
 // ------------------------------------------------------- batched operations
 
 template <class Run>
@@ -289,6 +351,173 @@ ffi::Error quantize_nested_batched(ffi::Buffer<ffi::F32> absmax, ffi::Result<ffi
     p.codes = codes->typed_data() + i * n_blocks;
     p.absmax2 = absmax2->typed_data() + i * p.absmax2_size;
     p.offset = offset->typed_data() + i;
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+// The weight operands of a fused 4-bit matmul, for item `i` of `items`
+// stacked weights. The nested offset stays a pointer (device memory on CUDA).
+struct Weight4 {
+  const uint8_t* packed;
+  Absmax4 scales;
+};
+
+inline ffi::Error weight4_items(ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
+                                ffi::Buffer<ffi::F32> nested_offset, int64_t n, int64_t k, int64_t blocksize,
+                                int64_t nested, int64_t* items) {
+  if (n <= 0 || k <= 0 || blocksize <= 0) return invalid("n, k and blocksize must be positive");
+  const int64_t per = packed_bytes(n * k), blocks = ceil_div(n * k, blocksize);
+  Q4_FFI_CHECK(batch_of("packed weight", packed.element_count(), per, items));
+  const ffi::DataType want = nested ? ffi::DataType::U8 : ffi::DataType::F32;
+  if (absmax.element_type() != want)
+    return invalid(nested ? "nested absmax codes must be uint8" : "absmax must be float32");
+  Q4_FFI_CHECK(same_batch("absmax", absmax.element_count(), blocks, *items));
+  if (nested) {
+    Q4_FFI_CHECK(
+        same_batch("nested absmax", nested_absmax.element_count(), ceil_div(blocks, kNestedBlocksize), *items));
+    Q4_FFI_CHECK(same_batch("nested offset", nested_offset.element_count(), 1, *items));
+  }
+  return ffi::Error::Success();
+}
+
+inline Weight4 weight4_item(ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
+                            ffi::Buffer<ffi::F32> nested_offset, int64_t n, int64_t k, int64_t blocksize,
+                            int64_t nested, int64_t i) {
+  const int64_t blocks = ceil_div(n * k, blocksize), blocks2 = ceil_div(blocks, kNestedBlocksize);
+  Weight4 w;
+  w.packed = packed.typed_data() + i * packed_bytes(n * k);
+  w.scales.n_blocks = blocks;
+  if (nested) {
+    w.scales.nested_codes = static_cast<const uint8_t*>(absmax.untyped_data()) + i * blocks;
+    w.scales.nested_absmax = nested_absmax.typed_data() + i * blocks2;
+    w.scales.nested_absmax_size = blocks2;
+    w.scales.nested_offset_ptr = nested_offset.typed_data() + i;
+  } else {
+    w.scales.absmax = static_cast<const float*>(absmax.untyped_data()) + i * blocks;
+  }
+  return w;
+}
+
+template <class Run>
+ffi::Error gemm_4bit_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                             ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset,
+                             ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k,
+                             int64_t blocksize, int64_t quant_type, int64_t nested, Run run) {
+  int64_t items = 0;
+  Q4_FFI_CHECK(weight4_items(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, nested, &items));
+  Gemm4bitParams p;
+  if (!dtype_of(x.element_type(), &p.x_dtype)) return invalid("gemm_4bit input must be float32, float16 or bfloat16");
+  if (!dtype_of(out->element_type(), &p.out_dtype)) return invalid("gemm_4bit output must be a float type");
+  int64_t rows = 0;
+  Q4_FFI_CHECK(batch_of("input (rows of k)", x.element_count(), k * items, &rows));
+  Q4_FFI_CHECK(same_batch("output", out->element_count(), n * items, rows));
+  const bool has_bias = bias.element_count() > 0;
+  if (has_bias) {
+    if (!dtype_of(bias.element_type(), &p.bias_dtype)) return invalid("bias must be a float type");
+    Q4_FFI_CHECK(same_batch("bias", bias.element_count(), n, items));
+  }
+  p.m = rows;
+  p.n = n;
+  p.k = k;
+  p.packed_size = packed_bytes(n * k);
+  p.blocksize = blocksize;
+  p.quant_type = static_cast<QuantType>(quant_type);
+  for (int64_t i = 0; i < items; ++i) {
+    const Weight4 w = weight4_item(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, nested, i);
+    p.packed = w.packed;
+    p.scales = w.scales;
+    p.x = static_cast<const char*>(x.untyped_data()) + i * rows * k * elem_bytes(p.x_dtype);
+    p.bias = has_bias ? static_cast<const char*>(bias.untyped_data()) + i * n * elem_bytes(p.bias_dtype) : nullptr;
+    p.out = static_cast<char*>(out->untyped_data()) + i * rows * n * elem_bytes(p.out_dtype);
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error gemm_4bit_grad_input_batched(ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                                        ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset,
+                                        ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k, int64_t blocksize,
+                                        int64_t quant_type, int64_t nested, Run run) {
+  int64_t items = 0;
+  Q4_FFI_CHECK(weight4_items(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, nested, &items));
+  Gemm4bitGradInputParams p;
+  if (!dtype_of(grad_out.element_type(), &p.grad_out_dtype)) return invalid("grad_out must be a float type");
+  if (!dtype_of(grad_input->element_type(), &p.grad_input_dtype)) return invalid("grad_input must be a float type");
+  int64_t rows = 0;
+  Q4_FFI_CHECK(batch_of("grad_out (rows of n)", grad_out.element_count(), n * items, &rows));
+  Q4_FFI_CHECK(same_batch("grad_input", grad_input->element_count(), k * items, rows));
+  p.m = rows;
+  p.n = n;
+  p.k = k;
+  p.packed_size = packed_bytes(n * k);
+  p.blocksize = blocksize;
+  p.quant_type = static_cast<QuantType>(quant_type);
+  for (int64_t i = 0; i < items; ++i) {
+    const Weight4 w = weight4_item(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, nested, i);
+    p.packed = w.packed;
+    p.scales = w.scales;
+    p.grad_out = static_cast<const char*>(grad_out.untyped_data()) + i * rows * n * elem_bytes(p.grad_out_dtype);
+    p.grad_input = static_cast<char*>(grad_input->untyped_data()) + i * rows * k * elem_bytes(p.grad_input_dtype);
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error int8_linear_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
+                               ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k,
+                               float threshold, Run run) {
+  if (n <= 0 || k <= 0) return invalid("n and k must be positive");
+  int64_t items = 0, rows = 0;
+  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), n * k, &items));
+  Q4_FFI_CHECK(same_batch("weight scale", scale.element_count(), n, items));
+  Int8LinearParams p;
+  if (!dtype_of(x.element_type(), &p.x_dtype)) return invalid("int8_linear input must be a float type");
+  if (!dtype_of(out->element_type(), &p.out_dtype)) return invalid("int8_linear output must be a float type");
+  Q4_FFI_CHECK(batch_of("input (rows of k)", x.element_count(), k * items, &rows));
+  Q4_FFI_CHECK(same_batch("output", out->element_count(), n * items, rows));
+  const bool has_bias = bias.element_count() > 0;
+  if (has_bias) {
+    if (!dtype_of(bias.element_type(), &p.bias_dtype)) return invalid("bias must be a float type");
+    Q4_FFI_CHECK(same_batch("bias", bias.element_count(), n, items));
+  }
+  p.m = rows;
+  p.n = n;
+  p.k = k;
+  p.threshold = threshold;
+  for (int64_t i = 0; i < items; ++i) {
+    p.x = static_cast<const char*>(x.untyped_data()) + i * rows * k * elem_bytes(p.x_dtype);
+    p.weight = weight.typed_data() + i * n * k;
+    p.weight_scale = scale.typed_data() + i * n;
+    p.bias = has_bias ? static_cast<const char*>(bias.untyped_data()) + i * n * elem_bytes(p.bias_dtype) : nullptr;
+    p.out = static_cast<char*>(out->untyped_data()) + i * rows * n * elem_bytes(p.out_dtype);
+    Q4_FFI_CHECK(to_ffi(run(p)));
+  }
+  return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error int8_grad_input_batched(ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
+                                   ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k, Run run) {
+  if (n <= 0 || k <= 0) return invalid("n and k must be positive");
+  int64_t items = 0, rows = 0;
+  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), n * k, &items));
+  Q4_FFI_CHECK(same_batch("weight scale", scale.element_count(), n, items));
+  Int8GradInputParams p;
+  if (!dtype_of(grad_out.element_type(), &p.grad_out_dtype)) return invalid("grad_out must be a float type");
+  if (!dtype_of(grad_input->element_type(), &p.grad_input_dtype)) return invalid("grad_input must be a float type");
+  Q4_FFI_CHECK(batch_of("grad_out (rows of n)", grad_out.element_count(), n * items, &rows));
+  Q4_FFI_CHECK(same_batch("grad_input", grad_input->element_count(), k * items, rows));
+  p.m = rows;
+  p.n = n;
+  p.k = k;
+  for (int64_t i = 0; i < items; ++i) {
+    p.grad_out = static_cast<const char*>(grad_out.untyped_data()) + i * rows * n * elem_bytes(p.grad_out_dtype);
+    p.weight = weight.typed_data() + i * n * k;
+    p.weight_scale = scale.typed_data() + i * n;
+    p.grad_input = static_cast<char*>(grad_input->untyped_data()) + i * rows * k * elem_bytes(p.grad_input_dtype);
     Q4_FFI_CHECK(to_ffi(run(p)));
   }
   return ffi::Error::Success();

@@ -151,6 +151,13 @@ ScopedIeeeFloat::ScopedIeeeFloat() {}
 ScopedIeeeFloat::~ScopedIeeeFloat() {}
 #endif
 
+float* scratch(int slot, int64_t count) {
+  thread_local std::vector<float> buffers[kScratchSlots];
+  std::vector<float>& b = buffers[slot];
+  if (static_cast<int64_t>(b.size()) < count) b.resize(static_cast<size_t>(count));
+  return b.data();
+}
+
 void hint_fresh_output(void* ptr, int64_t bytes) {
 #if defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;

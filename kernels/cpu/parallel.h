@@ -30,6 +30,13 @@ class ScopedIeeeFloat {
   unsigned saved_ = 0;
 };
 
+// A per-thread, grow-only scratch buffer of at least `count` floats (one per
+// slot and thread). Kernels reuse it across calls instead of allocating: a
+// fresh multi-megabyte buffer costs page faults on every call. Contents are
+// unspecified on return.
+float* scratch(int slot, int64_t count);
+constexpr int kScratchSlots = 4;
+
 // Hint that a large output buffer about to be written for the first time may
 // be backed by huge pages (madvise MADV_HUGEPAGE on its 2 MiB-aligned
 // interior). A fresh 64 MiB buffer otherwise costs ~16k page faults, more

@@ -225,3 +225,273 @@ def quantize_nested(absmax: np.ndarray):
     offset = np.empty(1, np.float32)
     quantize_nested_ptr(absmax.ctypes.data, absmax.size, codes.ctypes.data, absmax2.ctypes.data, offset.ctypes.data)
     return codes, absmax2, offset[0]
+
+
+# ------------------------------------------------------------ fused matmuls
+
+
+def scales_args(absmax, nested_codes, nested_absmax, nested_absmax_size: int, nested_code, nested_offset, n_blocks):
+    """The 7 C ABI arguments describing a 4-bit weight's scales (pointers or None)."""
+    return (
+        absmax,
+        nested_codes,
+        nested_absmax,
+        nested_absmax_size,
+        nested_code,
+        0.0 if nested_offset is None else float(nested_offset),
+        n_blocks,
+    )
+
+
+def gemm_4bit_ptr(
+    x, x_dtype, m, n, k, packed, scales, blocksize, quant_type, bias, bias_dtype, out, out_dtype, stream=None
+) -> None:
+    _call(
+        "gemm_4bit",
+        stream,
+        x,
+        x_dtype,
+        m,
+        n,
+        k,
+        packed,
+        formats.packed_bytes(n * k),
+        *scales,
+        blocksize,
+        quant_type,
+        bias,
+        bias_dtype,
+        out,
+        out_dtype,
+    )
+
+
+def gemm_4bit_grad_input_ptr(
+    dy, dy_dtype, m, n, k, packed, scales, blocksize, quant_type, dx, dx_dtype, stream=None
+) -> None:
+    _call(
+        "gemm_4bit_grad_input",
+        stream,
+        dy,
+        dy_dtype,
+        m,
+        n,
+        k,
+        packed,
+        formats.packed_bytes(n * k),
+        *scales,
+        blocksize,
+        quant_type,
+        dx,
+        dx_dtype,
+    )
+
+
+def int8_quantize_rows_ptr(x, x_dtype, rows, cols, threshold, q, stats, outlier_cols, stream=None) -> None:
+    _call("int8_quantize_rows", stream, x, x_dtype, rows, cols, float(threshold), q, stats, outlier_cols)
+
+
+def int8_linear_ptr(
+    x, x_dtype, m, n, k, weight, scale, threshold, bias, bias_dtype, out, out_dtype, stream=None
+) -> None:
+    _call("int8_linear", stream, x, x_dtype, m, n, k, weight, scale, float(threshold), bias, bias_dtype, out, out_dtype)
+
+
+def int8_grad_input_ptr(dy, dy_dtype, m, n, k, weight, scale, dx, dx_dtype, stream=None) -> None:
+    _call("int8_grad_input", stream, dy, dy_dtype, m, n, k, weight, scale, dx, dx_dtype)
+
+
+def _state_scales(state) -> tuple:
+    """C ABI scale arguments for a q4.QuantState (keeps the arrays alive in the tuple's owner)."""
+    state.validate()
+    if state.nested:
+        codes = np.ascontiguousarray(state.absmax, np.uint8)
+        absmax2 = np.ascontiguousarray(state.nested_absmax, np.float32)
+        keep = (codes, absmax2)
+        args = scales_args(
+            None, codes.ctypes.data, absmax2.ctypes.data, absmax2.size, None, state.nested_offset, codes.size
+        )
+    else:
+        absmax = np.ascontiguousarray(state.absmax, np.float32)
+        keep = (absmax,)
+        args = scales_args(absmax.ctypes.data, None, None, 0, None, None, absmax.size)
+    return args, keep
+
+
+def _matrix(a, what: str) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    dtype_name(a.dtype)
+    if a.ndim != 2 or a.size == 0:
+        raise ValueError(f"{what} must be a non-empty 2-D array, got shape {a.shape}")
+    return a
+
+
+def gemm_4bit(x: np.ndarray, packed: np.ndarray, state, bias: np.ndarray | None = None, out_dtype=None) -> np.ndarray:
+    """Y = x @ dequantize(W).T (+ bias) without materialising W; W's shape is state.shape = (n, k).
+
+    Accumulates in fp32; the result has x's dtype unless out_dtype is given.
+    """
+    x = _matrix(x, "x")
+    n, k = _weight_shape(state)
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, the weight expects {k} (weight shape {(n, k)})")
+    packed = _packed(packed, n * k)
+    args, keep = _state_scales(state)
+    name = _out_name(x.dtype, out_dtype)
+    out = np.empty((x.shape[0], n), _np_dtype(name))
+    b, bcode = None, 0
+    if bias is not None:
+        bias = np.ascontiguousarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+        b, bcode = bias.ctypes.data, formats.DTYPE_CODES[dtype_name(bias.dtype)]
+    gemm_4bit_ptr(
+        x.ctypes.data,
+        formats.DTYPE_CODES[dtype_name(x.dtype)],
+        x.shape[0],
+        n,
+        k,
+        packed.ctypes.data,
+        args,
+        state.blocksize,
+        formats.QUANT_TYPE_CODES[state.quant_type],
+        b,
+        bcode,
+        out.ctypes.data,
+        formats.check_dtype_name(name),
+    )
+    del keep
+    return out
+
+
+def gemm_4bit_grad_input(grad_out: np.ndarray, packed: np.ndarray, state, out_dtype=None) -> np.ndarray:
+    """dX = grad_out @ dequantize(W), without materialising W."""
+    dy = _matrix(grad_out, "grad_out")
+    n, k = _weight_shape(state)
+    if dy.shape[1] != n:
+        raise ValueError(f"grad_out has {dy.shape[1]} features, the weight has {n} outputs (shape {(n, k)})")
+    packed = _packed(packed, n * k)
+    args, keep = _state_scales(state)
+    name = _out_name(dy.dtype, out_dtype)
+    out = np.empty((dy.shape[0], k), _np_dtype(name))
+    gemm_4bit_grad_input_ptr(
+        dy.ctypes.data,
+        formats.DTYPE_CODES[dtype_name(dy.dtype)],
+        dy.shape[0],
+        n,
+        k,
+        packed.ctypes.data,
+        args,
+        state.blocksize,
+        formats.QUANT_TYPE_CODES[state.quant_type],
+        out.ctypes.data,
+        formats.check_dtype_name(name),
+    )
+    del keep
+    return out
+
+
+def _out_name(default_dtype, out_dtype) -> str:
+    """The result dtype's name: out_dtype if given, else the input's."""
+    if out_dtype is None:
+        return dtype_name(default_dtype)
+    return out_dtype if isinstance(out_dtype, str) else np.dtype(out_dtype).name
+
+
+def _weight_shape(state) -> tuple[int, int]:
+    if len(state.shape) != 2:
+        raise ValueError(f"a matmul weight must be 2-D (n, k), got shape {tuple(state.shape)}")
+    return int(state.shape[0]), int(state.shape[1])
+
+
+def _packed(packed, n_elements: int) -> np.ndarray:
+    packed = np.ascontiguousarray(packed)
+    if packed.dtype != np.uint8:
+        packed = packed.view(np.uint8)
+    if packed.size != formats.packed_bytes(n_elements):
+        raise ValueError(f"packed weight has {packed.size} bytes, expected {formats.packed_bytes(n_elements)}")
+    return packed
+
+
+def int8_quantize_rows(x: np.ndarray, threshold: float = 0.0):
+    """LLM.int8 row-wise quantization: (q int8 like x, row_stats f32 [rows], outlier_cols bool [cols])."""
+    x = _matrix(x, "x")
+    q = np.empty(x.shape, np.int8)
+    stats = np.empty(x.shape[0], np.float32)
+    cols = np.empty(x.shape[1], np.uint8)
+    int8_quantize_rows_ptr(
+        x.ctypes.data,
+        formats.DTYPE_CODES[dtype_name(x.dtype)],
+        x.shape[0],
+        x.shape[1],
+        threshold,
+        q.ctypes.data,
+        stats.ctypes.data,
+        cols.ctypes.data,
+    )
+    return q, stats, cols.astype(bool)
+
+
+def _int8_weight(weight, weight_scale):
+    weight = np.ascontiguousarray(weight)
+    if weight.dtype != np.int8 or weight.ndim != 2:
+        raise TypeError(f"weight must be a 2-D int8 array, got {weight.dtype} {weight.shape}")
+    scale = np.ascontiguousarray(weight_scale, np.float32)
+    if scale.shape != (weight.shape[0],):
+        raise ValueError(f"weight_scale must have shape ({weight.shape[0]},), got {scale.shape}")
+    return weight, scale
+
+
+def int8_linear(x, weight, weight_scale, threshold: float = 0.0, bias=None, out_dtype=None) -> np.ndarray:
+    """LLM.int8 linear: Y ~= x @ (weight * weight_scale[:, None] / 127).T (+ bias); see Int8LinearParams."""
+    x = _matrix(x, "x")
+    weight, scale = _int8_weight(weight, weight_scale)
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features, the weight expects {k}")
+    name = _out_name(x.dtype, out_dtype)
+    out = np.empty((x.shape[0], n), _np_dtype(name))
+    b, bcode = None, 0
+    if bias is not None:
+        bias = np.ascontiguousarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+        b, bcode = bias.ctypes.data, formats.DTYPE_CODES[dtype_name(bias.dtype)]
+    int8_linear_ptr(
+        x.ctypes.data,
+        formats.DTYPE_CODES[dtype_name(x.dtype)],
+        x.shape[0],
+        n,
+        k,
+        weight.ctypes.data,
+        scale.ctypes.data,
+        threshold,
+        b,
+        bcode,
+        out.ctypes.data,
+        formats.check_dtype_name(name),
+    )
+    return out
+
+
+def int8_grad_input(grad_out, weight, weight_scale, out_dtype=None) -> np.ndarray:
+    """dX = grad_out @ (weight * weight_scale[:, None] / 127), fp32 accumulation."""
+    dy = _matrix(grad_out, "grad_out")
+    weight, scale = _int8_weight(weight, weight_scale)
+    n, k = weight.shape
+    if dy.shape[1] != n:
+        raise ValueError(f"grad_out has {dy.shape[1]} features, the weight has {n} outputs")
+    name = _out_name(dy.dtype, out_dtype)
+    out = np.empty((dy.shape[0], k), _np_dtype(name))
+    int8_grad_input_ptr(
+        dy.ctypes.data,
+        formats.DTYPE_CODES[dtype_name(dy.dtype)],
+        dy.shape[0],
+        n,
+        k,
+        weight.ctypes.data,
+        scale.ctypes.data,
+        out.ctypes.data,
+        formats.check_dtype_name(name),
+    )
+    return out

@@ -71,23 +71,56 @@ _SIGNATURES = {
         [c_void_p, c_int64, c_void_p, c_int64, c_int64, c_void_p, c_int32, c_float, c_void_p, c_int32],
     ),
     "q4_quantize_nested": (c_int32, [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p]),
+    # scales: absmax, nested_codes, nested_absmax, nested_absmax_size, nested_code, nested_offset, n_blocks
+    "q4_gemm_4bit": (
+        c_int32,
+        [c_void_p, c_int32, c_int64, c_int64, c_int64, c_void_p, c_int64]
+        + [c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_float, c_int64]
+        + [c_int64, c_int32, c_void_p, c_int32, c_void_p, c_int32],
+    ),
+    "q4_gemm_4bit_grad_input": (
+        c_int32,
+        [c_void_p, c_int32, c_int64, c_int64, c_int64, c_void_p, c_int64]
+        + [c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_float, c_int64]
+        + [c_int64, c_int32, c_void_p, c_int32],
+    ),
+    "q4_int8_quantize_rows": (c_int32, [c_void_p, c_int32, c_int64, c_int64, c_float, c_void_p, c_void_p, c_void_p]),
+    "q4_int8_linear": (
+        c_int32,
+        [
+            c_void_p,
+            c_int32,
+            c_int64,
+            c_int64,
+            c_int64,
+            c_void_p,
+            c_void_p,
+            c_float,
+            c_void_p,
+            c_int32,
+            c_void_p,
+            c_int32,
+        ],
+    ),
+    "q4_int8_grad_input": (
+        c_int32,
+        [c_void_p, c_int32, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int32],
+    ),
 }
+
+# Ops with a CUDA twin q4_cuda_<op>(..., stream).
+CUDA_OPS = (
+    "quantize_4bit",
+    "dequantize_4bit",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_nested",
+)
 
 _CUDA_SIGNATURES = {
     "q4_cuda_last_error": (ctypes.c_char_p, []),
     "q4_cuda_device_count": (c_int32, []),
-    **{
-        "q4_cuda_" + name[3:]: (restype, [*args, c_void_p])
-        for name, (restype, args) in _SIGNATURES.items()
-        if name
-        in (
-            "q4_quantize_4bit",
-            "q4_dequantize_4bit",
-            "q4_quantize_blockwise",
-            "q4_dequantize_blockwise",
-            "q4_quantize_nested",
-        )
-    },
+    **{"q4_cuda_" + op: (_SIGNATURES["q4_" + op][0], [*_SIGNATURES["q4_" + op][1], c_void_p]) for op in CUDA_OPS},
 }
 
 _lib: ctypes.CDLL | None = None

@@ -238,3 +238,307 @@ def _(absmax):
         absmax.new_empty((formats.num_blocks(n, formats.nested_blocksize()),), dtype=torch.float32),
         absmax.new_empty((), dtype=torch.float32),
     )
+
+
+# ------------------------------------------------------------ fused matmuls
+
+
+def _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type):
+    """Validated C ABI weight arguments (scales tuple) for a 4-bit W [n, k]."""
+    formats.check_blocksize(blocksize)
+    formats.check_quant_type(quant_type)
+    if n <= 0 or k <= 0:
+        raise ValueError(f"weight shape must be positive, got ({n}, {k})")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed weight must be uint8 (view other quant_storage as uint8), got {packed.dtype}")
+    if packed.numel() != formats.packed_bytes(n * k):
+        raise ValueError(
+            f"packed weight has {packed.numel()} bytes, a ({n}, {k}) weight needs {formats.packed_bytes(n * k)}"
+        )
+    blocks = formats.num_blocks(n * k, blocksize)
+    if absmax.numel() != blocks:
+        raise ValueError(
+            f"absmax has {absmax.numel()} values, a ({n}, {k}) weight with blocksize {blocksize} needs {blocks}"
+        )
+    if nested_absmax is None:
+        if absmax.dtype != torch.float32:
+            raise TypeError(f"absmax must be float32, got {absmax.dtype}")
+        return K.scales_args(absmax.data_ptr(), None, None, 0, None, None, blocks)
+    if absmax.dtype != torch.uint8:
+        raise TypeError(f"nested absmax codes must be uint8, got {absmax.dtype}")
+    n2 = formats.num_blocks(blocks, formats.nested_blocksize())
+    if nested_absmax.dtype != torch.float32 or nested_absmax.numel() != n2:
+        raise ValueError(f"nested_absmax must be float32[{n2}], got {nested_absmax.dtype}[{nested_absmax.numel()}]")
+    if nested_offset is None or nested_offset.numel() != 1:
+        raise ValueError("a nested state needs a one-element nested_offset")
+    return K.scales_args(
+        None, absmax.data_ptr(), nested_absmax.data_ptr(), n2, None, float(nested_offset.reshape(()).item()), blocks
+    )
+
+
+@torch.library.custom_op("q4::gemm_4bit", mutates_args=(), device_types=("cpu", "cuda"))
+def gemm_4bit(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    nested_absmax: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    n: int,
+    k: int,
+    blocksize: int,
+    quant_type: str,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """y[..., n] = x[..., k] . dequantize(W)^T (+ bias), fp32 accumulation, W never materialised."""
+    xcode = dtype_code(x.dtype, "gemm_4bit input")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"input has {x.shape[-1] if x.dim() else 0} features, the weight expects {k} (weight ({n}, {k}))"
+        )
+    if x.numel() == 0:
+        raise ValueError(f"empty input (shape {tuple(x.shape)})")
+    packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
+    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
+    scales = _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    b, bcode = None, 0
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        bias = bias.contiguous()
+        b, bcode = bias.data_ptr(), dtype_code(bias.dtype, "bias")
+    x2 = x.contiguous()
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    K.gemm_4bit_ptr(
+        x2.data_ptr(),
+        xcode,
+        x2.numel() // k,
+        n,
+        k,
+        packed.data_ptr(),
+        scales,
+        blocksize,
+        formats.QUANT_TYPE_CODES[quant_type],
+        b,
+        bcode,
+        out.data_ptr(),
+        xcode,
+        _stream(x),
+    )
+    return out
+
+
+@gemm_4bit.register_fake
+def _(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias):
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    return x.new_empty(x.shape[:-1] + (n,))
+
+
+@torch.library.custom_op("q4::gemm_4bit_grad_input", mutates_args=(), device_types=("cpu", "cuda"))
+def gemm_4bit_grad_input(
+    grad_out: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    nested_absmax: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    n: int,
+    k: int,
+    blocksize: int,
+    quant_type: str,
+) -> torch.Tensor:
+    """dx[..., k] = grad_out[..., n] . dequantize(W), W never materialised."""
+    gcode = dtype_code(grad_out.dtype, "grad_out")
+    if grad_out.shape[-1] != n:
+        raise ValueError(f"grad_out has {grad_out.shape[-1]} features, the weight has {n} outputs")
+    packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
+    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
+    scales = _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    g = grad_out.contiguous()
+    out = torch.empty(grad_out.shape[:-1] + (k,), dtype=grad_out.dtype, device=grad_out.device)
+    K.gemm_4bit_grad_input_ptr(
+        g.data_ptr(),
+        gcode,
+        g.numel() // n,
+        n,
+        k,
+        packed.data_ptr(),
+        scales,
+        blocksize,
+        formats.QUANT_TYPE_CODES[quant_type],
+        out.data_ptr(),
+        gcode,
+        _stream(g),
+    )
+    return out
+
+
+@gemm_4bit_grad_input.register_fake
+def _(grad_out, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type):
+    return grad_out.new_empty(grad_out.shape[:-1] + (k,))
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    # Every tensor the backward needs goes through save_for_backward (never a
+    # ctx attribute), so a recompute under activation checkpointing, or a
+    # caller that refills the weight's buffer, is seen by the backward exactly
+    # as the forward saw it — and a buffer modified in between is detected.
+    x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias = inputs
+    ctx.save_for_backward(packed, absmax, nested_absmax, nested_offset)
+    ctx.meta = (n, k, blocksize, quant_type, None if bias is None else bias.dtype)
+
+
+def _gemm_backward(ctx, grad):
+    packed, absmax, nested_absmax, nested_offset = ctx.saved_tensors
+    n, k, blocksize, quant_type, bias_dtype = ctx.meta
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = gemm_4bit_grad_input(grad, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    if bias_dtype is not None and ctx.needs_input_grad[9]:
+        grad_bias = grad.reshape(-1, n).sum(0, dtype=torch.float32).to(bias_dtype)
+    return grad_x, None, None, None, None, None, None, None, None, grad_bias
+
+
+gemm_4bit.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+
+
+# ------------------------------------------------------------------ LLM.int8
+
+
+def _int8_weight(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise TypeError(f"weight must be a 2-D int8 tensor (CB), got {weight.dtype} with shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if scale.dtype != torch.float32 or scale.shape != (n,):
+        raise ValueError(f"weight_scale must be float32 of shape ({n},), got {scale.dtype} {tuple(scale.shape)}")
+    return n, k
+
+
+def _threshold(threshold: float) -> float:
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+    return float(threshold)
+
+
+@torch.library.custom_op("q4::int8_quantize_rows", mutates_args=(), device_types=("cpu", "cuda"))
+def int8_quantize_rows(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLM.int8 row-wise quantization of a 2-D x: (int8 like x, row_stats f32, outlier-column mask bool)."""
+    code = dtype_code(x.dtype, "int8_quantize_rows input")
+    if x.dim() != 2 or x.numel() == 0:
+        raise ValueError(f"int8_quantize_rows needs a non-empty 2-D tensor, got shape {tuple(x.shape)}")
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    stats = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    cols = torch.empty(x.shape[1], dtype=torch.uint8, device=x.device)
+    K.int8_quantize_rows_ptr(
+        x.data_ptr(),
+        code,
+        x.shape[0],
+        x.shape[1],
+        _threshold(threshold),
+        q.data_ptr(),
+        stats.data_ptr(),
+        cols.data_ptr(),
+        _stream(x),
+    )
+    return q, stats, cols.bool()
+
+
+@int8_quantize_rows.register_fake
+def _(x, threshold):
+    return (
+        x.new_empty(x.shape, dtype=torch.int8),
+        x.new_empty((x.shape[0],), dtype=torch.float32),
+        x.new_empty((x.shape[1],), dtype=torch.bool),
+    )
+
+
+@torch.library.custom_op("q4::int8_linear", mutates_args=(), device_types=("cpu", "cuda"))
+def int8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, threshold: float, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """LLM.int8 linear: y[..., n] ~= x[..., k] . (CB * SCB / 127)^T (+ bias), x quantized row-wise inside."""
+    xcode = dtype_code(x.dtype, "int8_linear input")
+    n, k = _int8_weight(weight, weight_scale)
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"input has {x.shape[-1] if x.dim() else 0} features, the weight expects {k} (weight ({n}, {k}))"
+        )
+    if x.numel() == 0:
+        raise ValueError(f"empty input (shape {tuple(x.shape)})")
+    b, bcode = None, 0
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+        bias = bias.contiguous()
+        b, bcode = bias.data_ptr(), dtype_code(bias.dtype, "bias")
+    x2, weight, weight_scale = x.contiguous(), weight.contiguous(), weight_scale.contiguous()
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    K.int8_linear_ptr(
+        x2.data_ptr(),
+        xcode,
+        x2.numel() // k,
+        n,
+        k,
+        weight.data_ptr(),
+        weight_scale.data_ptr(),
+        _threshold(threshold),
+        b,
+        bcode,
+        out.data_ptr(),
+        xcode,
+        _stream(x),
+    )
+    return out
+
+
+@int8_linear.register_fake
+def _(x, weight, weight_scale, threshold, bias):
+    return x.new_empty(x.shape[:-1] + (weight.shape[0],))
+
+
+@torch.library.custom_op("q4::int8_grad_input", mutates_args=(), device_types=("cpu", "cuda"))
+def int8_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """dx[..., k] = grad_out[..., n] . (CB * SCB / 127), fp32 accumulation."""
+    gcode = dtype_code(grad_out.dtype, "grad_out")
+    n, k = _int8_weight(weight, weight_scale)
+    if grad_out.shape[-1] != n:
+        raise ValueError(f"grad_out has {grad_out.shape[-1]} features, the weight has {n} outputs")
+    g, weight, weight_scale = grad_out.contiguous(), weight.contiguous(), weight_scale.contiguous()
+    out = torch.empty(grad_out.shape[:-1] + (k,), dtype=grad_out.dtype, device=grad_out.device)
+    K.int8_grad_input_ptr(
+        g.data_ptr(),
+        gcode,
+        g.numel() // n,
+        n,
+        k,
+        weight.data_ptr(),
+        weight_scale.data_ptr(),
+        out.data_ptr(),
+        gcode,
+        _stream(g),
+    )
+    return out
+
+
+@int8_grad_input.register_fake
+def _(grad_out, weight, weight_scale):
+    return grad_out.new_empty(grad_out.shape[:-1] + (weight.shape[1],))
+
+
+def _int8_setup_context(ctx, inputs, output):
+    x, weight, weight_scale, threshold, bias = inputs
+    ctx.save_for_backward(weight, weight_scale)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _int8_backward(ctx, grad):
+    weight, weight_scale = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = int8_grad_input(grad, weight, weight_scale)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+        grad_bias = grad.reshape(-1, weight.shape[0]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+    return grad_x, None, None, None, grad_bias
+
+
+int8_linear.register_autograd(_int8_backward, setup_context=_int8_setup_context)

@@ -92,7 +92,108 @@ struct QuantizeNestedParams {
   float* offset = nullptr;  // [1]
 };
 
+// ------------------------------------------------------------ fused matmuls
+//
+// A 4-bit weight W [n, k] (row-major, flattened for blocking) is packed as in
+// quantize_4bit; its per-block scales are plain fp32 or nested.
+struct Absmax4 {
+  const float* absmax = nullptr;             // plain: [n_blocks]; null when nested
+  const uint8_t* nested_codes = nullptr;     // nested: [n_blocks] 8-bit codes
+  const float* nested_absmax = nullptr;      // nested: [ceil(n_blocks/256)]
+  const float* nested_code = nullptr;        // nested: [256] code book; null = dynamic map
+  float nested_offset = 0.0f;                // nested: used when nested_offset_ptr is null
+  const float* nested_offset_ptr = nullptr;  // nested: offset in the kernel's memory (XLA buffers)
+  int64_t n_blocks = 0;                      // number of entries in absmax / nested_codes
+  int64_t nested_absmax_size = 0;
+  bool nested() const { return nested_codes != nullptr; }
+};
+
+// Y[m, n] = sum_k X[m, k] * W[n, k] (+ bias[n]), accumulated in fp32; the
+// dequantized weight is never materialised (tiles are decoded into
+// registers / a small buffer and used at once). Each W element is
+// decode(nibble) * absmax, the value dequantize_4bit returns in fp32.
+struct Gemm4bitParams {
+  const void* x = nullptr;  // [m, k] row-major, x_dtype
+  DType x_dtype = kF32;
+  int64_t m = 0, n = 0, k = 0;
+  const uint8_t* packed = nullptr;  // [packed_size] == ceil(n*k/2)
+  int64_t packed_size = 0;
+  Absmax4 scales;  // n_blocks == ceil(n*k/blocksize)
+  int64_t blocksize = 64;
+  QuantType quant_type = kNF4;
+  const void* bias = nullptr;  // [n] of bias_dtype, or null
+  DType bias_dtype = kF32;
+  void* out = nullptr;  // [m, n] of out_dtype
+  DType out_dtype = kF32;
+};
+
+// dX[m, k] = sum_n dY[m, n] * W[n, k]: the input gradient of the layer above.
+struct Gemm4bitGradInputParams {
+  const void* grad_out = nullptr;  // dY [m, n] row-major
+  DType grad_out_dtype = kF32;
+  int64_t m = 0, n = 0, k = 0;
+  const uint8_t* packed = nullptr;
+  int64_t packed_size = 0;
+  Absmax4 scales;
+  int64_t blocksize = 64;
+  QuantType quant_type = kNF4;
+  void* grad_input = nullptr;  // dX [m, k] of grad_input_dtype
+  DType grad_input_dtype = kF32;
+};
+
+// LLM.int8 row-wise ("vector-wise") quantization of x [rows, cols]:
+//   outlier elements: |x| >= threshold (threshold > 0); outlier columns: any
+//   outlier element in the column (written to outlier_cols as 0/1 if given).
+//   row_stats[r] = max |x[r, c]| over the non-outlier elements of row r;
+//   q[r, c] = round_half_even(x[r, c] * (127 / row_stats[r])) as int8, 0 for
+//   outlier elements, for every element of an outlier column when rows > 1,
+//   and for a row whose row_stats is 0.
+struct Int8QuantizeRowsParams {
+  const void* x = nullptr;  // [rows, cols]
+  DType x_dtype = kF32;
+  int64_t rows = 0, cols = 0;
+  float threshold = 0.0f;
+  int8_t* q = nullptr;              // [rows, cols]
+  float* row_stats = nullptr;       // [rows]
+  uint8_t* outlier_cols = nullptr;  // [cols] or null
+};
+
+// LLM.int8 linear with an int8 weight CB [n, k] and per-row scales SCB [n]
+// (W ~= CB * SCB / 127):
+//   X is quantized row-wise (Int8QuantizeRows with `threshold`);
+//   Y = (Xq . CB^T) * row_stats[m] * SCB[n] / 127^2           (int32 accumulation)
+//     + X[:, outlier cols] . (CB[:, outlier cols] * SCB / 127)^T (fp32, X unquantized)
+//     (+ bias).  threshold 0: no outlier part.
+struct Int8LinearParams {
+  const void* x = nullptr;  // [m, k]
+  DType x_dtype = kF32;
+  int64_t m = 0, n = 0, k = 0;
+  const int8_t* weight = nullptr;       // CB [n, k]
+  const float* weight_scale = nullptr;  // SCB [n]
+  float threshold = 0.0f;
+  const void* bias = nullptr;  // [n] or null
+  DType bias_dtype = kF32;
+  void* out = nullptr;  // [m, n]
+  DType out_dtype = kF32;
+};
+
+// dX[m, k] = sum_n dY[m, n] * CB[n, k] * SCB[n] / 127 (fp32 accumulation).
+struct Int8GradInputParams {
+  const void* grad_out = nullptr;  // [m, n]
+  DType grad_out_dtype = kF32;
+  int64_t m = 0, n = 0, k = 0;
+  const int8_t* weight = nullptr;
+  const float* weight_scale = nullptr;
+  void* grad_input = nullptr;  // [m, k]
+  DType grad_input_dtype = kF32;
+};
+
 namespace cpu {
+Status gemm_4bit(const Gemm4bitParams& p);
+Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p);
+Status int8_quantize_rows(const Int8QuantizeRowsParams& p);
+Status int8_linear(const Int8LinearParams& p);
+Status int8_grad_input(const Int8GradInputParams& p);
 Status quantize_4bit(const Quantize4bitParams& p);
 Status dequantize_4bit(const Dequantize4bitParams& p);
 Status quantize_blockwise(const QuantizeBlockwiseParams& p);
@@ -112,10 +213,20 @@ Status quantize_nested(const QuantizeNestedParams& p, void* stream);
 // dequantize_blockwise with the offset read from device memory (XLA passes it
 // as a buffer); offset == nullptr means no offset.
 Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, const float* offset, void* stream);
+Status gemm_4bit(const Gemm4bitParams& p, void* stream);
+Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p, void* stream);
+Status int8_quantize_rows(const Int8QuantizeRowsParams& p, void* stream);
+Status int8_linear(const Int8LinearParams& p, void* stream);
+Status int8_grad_input(const Int8GradInputParams& p, void* stream);
 }  // namespace cuda
 #endif
 
 // Argument checks shared by the CPU and CUDA ops (kernels/validate.cc).
+Status validate(const Gemm4bitParams& p);
+Status validate(const Gemm4bitGradInputParams& p);
+Status validate(const Int8QuantizeRowsParams& p);
+Status validate(const Int8LinearParams& p);
+Status validate(const Int8GradInputParams& p);
 Status validate(const Quantize4bitParams& p);
 Status validate(const Dequantize4bitParams& p);
 Status validate(const QuantizeBlockwiseParams& p);

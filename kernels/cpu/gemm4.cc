@@ -1,0 +1,672 @@
+// Fused 4-bit matmuls on the CPU: Y = X . W^T (+ bias) and dX = dY . W, with
+// W [n, k] packed 4-bit. The dequantized W is never materialised: a few rows
+// (forward) or a narrow column strip (backward) are decoded into an L1-sized
+// fp32 buffer and consumed at once.
+//
+// Element (r, c) of W is flat index f = r*k + c of the packed tensor: nibble
+// f (high nibble of byte f/2 when f is even), block f / blocksize. Its value
+// is decode(nibble) * scale(block), exactly the fp32 value dequantize_4bit
+// returns; all products and sums are then accumulated in fp32.
+//
+// Paths:
+//   gemv   (m <= 4):  one pass over W per call; for each W row the nibbles are
+//                     looked up unscaled, multiplied into up to 4 x rows, and
+//                     each block's partial sum is scaled once (the scale is
+//                     factored out of the inner loop).
+//   tiled  (m > 4):   X is packed into fp32 panels of 8 rows ([k][8]); tiles of
+//                     6 W rows x 256 columns are decoded once and reused by
+//                     every panel in a 6x(2x8) register-blocked FMA kernel.
+//   grad input:       strips of 16 columns of W (x 256 rows) are decoded once
+//                     and reused by every group of 6 dY rows (6x16 registers).
+// The AVX2 paths need k % 8 == 0 (rows start on whole bytes and 8-element
+// groups never straddle a block); other shapes and Q4_ISA=scalar use the
+// scalar path, which decodes one row at a time.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "parallel.h"
+#include "q4/dynamic8.h"
+#include "q4/kernels.h"
+#include "q4/quant4.h"
+#include "simd_avx2.h"
+
+namespace q4 {
+namespace cpu {
+namespace {
+
+// Block scales, plain or nested (decoded on access exactly as dequantize does:
+// fp32(code[q] * absmax2) + offset).
+class Scales {
+ public:
+  explicit Scales(const Absmax4& a) : a_(a) {
+    if (a.nested()) {
+      for (int i = 0; i < 256; ++i) code_[i] = a.nested_code ? a.nested_code[i] : dynamic8::value(i);
+      offset_ = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
+    }
+  }
+  float operator()(int64_t block) const {
+    if (!a_.nested()) return a_.absmax[block];
+    const float scaled = code_[a_.nested_codes[block]] * a_.nested_absmax[block / kNestedBlocksize];
+    return scaled + offset_;
+  }
+
+ private:
+  const Absmax4& a_;
+  float code_[256] = {};
+  float offset_ = 0.0f;
+};
+
+template <typename T>
+void to_f32(const T* src, int64_t count, float* dst) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = Elem<T>::load(src, i);
+}
+
+// Scratch slots of the calling thread / of each worker.
+constexpr int kSlotInput = 0;   // caller: fp32 copy of a 16-bit input
+constexpr int kSlotPanels = 1;  // caller: X packed into panels
+constexpr int kSlotAcc = 2;     // worker: accumulators
+constexpr int kSlotRow = 3;     // worker: decoded row / scales
+
+// The input matrix as fp32: the data itself, or a converted copy in scratch.
+const float* as_f32(const void* src, DType dtype, int64_t count) {
+  if (dtype == kF32) return static_cast<const float*>(src);
+  float* dst = scratch(kSlotInput, count);
+  Q4_DTYPE_SWITCH(dtype, T, [&] {
+    parallel_for(count, 1 << 16, [&](int64_t b, int64_t e) { to_f32(static_cast<const T*>(src) + b, e - b, dst + b); });
+  });
+  return dst;
+}
+
+int log2_exact(int64_t v) {
+  int s = 0;
+  while ((int64_t(1) << s) < v) ++s;
+  return s;
+}
+
+void store_out(void* out, DType dtype, int64_t i, float v) {
+  Q4_DTYPE_SWITCH(dtype, T, [&] { Elem<T>::store(static_cast<T*>(out), i, v); });
+}
+
+float load_bias(const void* bias, DType dtype, int64_t i) {
+  if (bias == nullptr) return 0.0f;
+  float v = 0.0f;
+  Q4_DTYPE_SWITCH(dtype, T, [&] { v = Elem<T>::load(static_cast<const T*>(bias), i); });
+  return v;
+}
+
+// Scalar decode of W elements [f, f + len) into out.
+template <QuantType QT>
+void decode_scalar(const uint8_t* packed, const Scales& scales, int shift, int64_t f, int64_t len, float* out) {
+  for (int64_t i = 0; i < len; ++i, ++f) {
+    const uint8_t byte = packed[f >> 1];
+    const int nib = (f & 1) ? unpack_odd(byte) : unpack_even(byte);
+    out[i] = Code4<QT>::decode(nib) * scales(f >> shift);
+  }
+}
+
+// ------------------------------------------------------------------ scalar
+
+template <QuantType QT>
+void gemm_scalar(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+  const int shift = log2_exact(p.blocksize);
+  parallel_for(p.n, 16, [&](int64_t n0, int64_t n1) {
+    float* row = scratch(kSlotRow, p.k);
+    for (int64_t r = n0; r < n1; ++r) {
+      decode_scalar<QT>(p.packed, scales, shift, r * p.k, p.k, row);
+      const float bias = load_bias(p.bias, p.bias_dtype, r);
+      for (int64_t m = 0; m < p.m; ++m) {
+        const float* xr = x + m * p.k;
+        float acc = 0.0f;
+        for (int64_t c = 0; c < p.k; ++c) acc += xr[c] * row[c];
+        store_out(p.out, p.out_dtype, m * p.n + r, acc + bias);
+      }
+    }
+  });
+}
+
+template <QuantType QT>
+void grad_input_scalar(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales) {
+  // Threads own column ranges of dX; each decodes its slice of every W row.
+  const int shift = log2_exact(p.blocksize);
+  parallel_for(p.k, 64, [&](int64_t c0, int64_t c1) {
+    const int64_t w = c1 - c0;
+    float* seg = scratch(kSlotRow, w);
+    float* acc = scratch(kSlotAcc, p.m * w);
+    std::fill(acc, acc + p.m * w, 0.0f);
+    for (int64_t r = 0; r < p.n; ++r) {
+      decode_scalar<QT>(p.packed, scales, shift, r * p.k + c0, w, seg);
+      for (int64_t m = 0; m < p.m; ++m) {
+        const float g = dy[m * p.n + r];
+        float* a = acc + m * w;
+        for (int64_t c = 0; c < w; ++c) a[c] += g * seg[c];
+      }
+    }
+    for (int64_t m = 0; m < p.m; ++m)
+      for (int64_t c = 0; c < w; ++c) store_out(p.grad_input, p.grad_input_dtype, m * p.k + c0 + c, acc[m * w + c]);
+  });
+}
+
+#if Q4_HAVE_AVX2_CODE
+
+// The 8 nibbles of W elements [f, f+8) (f % 8 == 0) as int32 lanes: lane i
+// holds nibble f+i in bits 0..3 (for the permute) and, in `sel`, bit 3 of that
+// nibble moved to bit 31 (for the blend).
+struct Nibbles8 {
+  __m256i idx, sel;
+};
+
+Q4_AVX2 Nibbles8 load_nibbles8(const uint8_t* packed, int64_t f) {
+  int32_t word;
+  memcpy(&word, packed + (f >> 1), 4);
+  const __m256i v = _mm256_set1_epi32(word);
+  // byte j holds elements 2j (high nibble, bits 8j+4..) and 2j+1 (low nibble, bits 8j..)
+  const __m256i right = _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24);
+  const __m256i left = _mm256_setr_epi32(24, 28, 16, 20, 8, 12, 0, 4);
+  return {_mm256_srlv_epi32(v, right), _mm256_sllv_epi32(v, left)};
+}
+
+struct Table16 {
+  __m256 lo, hi;
+};
+
+template <QuantType QT>
+Q4_AVX2 Table16 code_table() {
+  alignas(32) float t[16];
+  for (int q = 0; q < 16; ++q) t[q] = Code4<QT>::decode(q);
+  return {_mm256_load_ps(t), _mm256_load_ps(t + 8)};
+}
+
+Q4_AVX2 __m256 lookup(const Table16& t, const Nibbles8& nb) {
+  const __m256 lo = _mm256_permutevar8x32_ps(t.lo, nb.idx);
+  const __m256 hi = _mm256_permutevar8x32_ps(t.hi, nb.idx);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(nb.sel));
+}
+
+// Decode W elements [f, f + len) (f % 8 == 0, len % 8 == 0) into out, scaled.
+Q4_AVX2 void decode_avx2(const Table16& t, const uint8_t* packed, const Scales& scales, int shift, int64_t f,
+                         int64_t len, float* out) {
+  int64_t i = 0;
+  while (i < len) {
+    const int64_t block = (f + i) >> shift;
+    const int64_t end = std::min(len, ((block + 1) << shift) - f);
+    const __m256 s = _mm256_set1_ps(scales(block));
+    for (; i < end; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(lookup(t, load_nibbles8(packed, f + i)), s));
+  }
+}
+
+// gemv: MR (1..4) rows of X against every W row. Per block segment the
+// unscaled codes are multiplied into two accumulators per x row, then scaled.
+template <QuantType QT, int MR>
+Q4_AVX2 void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t m0, int64_t n0,
+                            int64_t n1) {
+  const Table16 t = code_table<QT>();
+  const int64_t k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  float* row_scales = scratch(kSlotRow, (k >> shift) + 2);
+  {
+    for (int64_t r = n0; r < n1; ++r) {
+      __m256 total[MR];
+      for (int j = 0; j < MR; ++j) total[j] = _mm256_setzero_ps();
+      const int64_t f0 = r * k;
+      // the row's block scales first: independent loads, off the FMA chain
+      const int64_t first_block = f0 >> shift, last_block = (f0 + k - 1) >> shift;
+      for (int64_t b = first_block; b <= last_block; ++b) row_scales[b - first_block] = scales(b);
+      int64_t c = 0;
+      while (c < k) {
+        const int64_t block = (f0 + c) >> shift;
+        const int64_t end = std::min(k, ((block + 1) << shift) - f0);
+        __m256 acc0[MR], acc1[MR];
+        for (int j = 0; j < MR; ++j) acc0[j] = acc1[j] = _mm256_setzero_ps();
+        for (; c + 16 <= end; c += 16) {
+          const __m256 w0 = lookup(t, load_nibbles8(p.packed, f0 + c));
+          const __m256 w1 = lookup(t, load_nibbles8(p.packed, f0 + c + 8));
+          for (int j = 0; j < MR; ++j) {
+            const float* xr = x + (m0 + j) * k + c;
+            acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[j]);
+            acc1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc1[j]);
+          }
+        }
+        for (; c < end; c += 8) {
+          const __m256 w0 = lookup(t, load_nibbles8(p.packed, f0 + c));
+          for (int j = 0; j < MR; ++j) acc0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (m0 + j) * k + c), acc0[j]);
+        }
+        const __m256 s = _mm256_set1_ps(row_scales[block - first_block]);
+        for (int j = 0; j < MR; ++j) total[j] = _mm256_fmadd_ps(_mm256_add_ps(acc0[j], acc1[j]), s, total[j]);
+      }
+      const float bias = load_bias(p.bias, p.bias_dtype, r);
+      for (int j = 0; j < MR; ++j) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, total[j]);
+        const float sum =
+            ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        store_out(p.out, p.out_dtype, (m0 + j) * p.n + r, sum + bias);
+      }
+    }
+  }
+}
+
+// Batch-1 gemv over pairs of W rows when every block lies inside one row
+// (k % blocksize == 0): both rows share the x loads and the loop control, and
+// their four accumulator chains overlap.
+template <QuantType QT>
+Q4_AVX2 void gemv1_row_pairs_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t n0,
+                                  int64_t n1) {
+  const Table16 t = code_table<QT>();
+  const int64_t k = p.k, bs = p.blocksize, blocks_per_row = k / bs;
+  for (int64_t r = n0; r < n1; r += 2) {
+    const int64_t fa = r * k, fb = fa + k;
+    __m256 total_a = _mm256_setzero_ps(), total_b = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < blocks_per_row; ++blk) {
+      const float sa = scales(r * blocks_per_row + blk), sb = scales((r + 1) * blocks_per_row + blk);
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+      for (int64_t c = blk * bs; c < (blk + 1) * bs; c += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+        a0 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fa + c)), x0, a0);
+        a1 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fa + c + 8)), x1, a1);
+        b0 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fb + c)), x0, b0);
+        b1 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fb + c + 8)), x1, b1);
+      }
+      total_a = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(sa), total_a);
+      total_b = _mm256_fmadd_ps(_mm256_add_ps(b0, b1), _mm256_set1_ps(sb), total_b);
+    }
+    const __m256 totals[2] = {total_a, total_b};
+    for (int j = 0; j < 2; ++j) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, totals[j]);
+      const float sum =
+          ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+      store_out(p.out, p.out_dtype, r + j, sum + load_bias(p.bias, p.bias_dtype, r + j));
+    }
+  }
+}
+
+template <QuantType QT, int MR>
+void gemv_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t m0) {
+  if (MR == 1 && p.m == 1 && p.k % p.blocksize == 0 && p.blocksize % 16 == 0) {
+    // pairs of rows; an odd last row goes through the single-row loop
+    const int64_t pairs = p.n / 2;
+    parallel_for(pairs, 4, [&](int64_t a, int64_t b) { gemv1_row_pairs_avx2<QT>(p, x, scales, 2 * a, 2 * b); });
+    if (p.n % 2) gemv_rows_avx2<QT, 1>(p, x, scales, 0, p.n - 1, p.n);
+    return;
+  }
+  parallel_for(p.n, 8, [&](int64_t n0, int64_t n1) { gemv_rows_avx2<QT, MR>(p, x, scales, m0, n0, n1); });
+}
+
+constexpr int kRowTile = 6;      // W rows per forward tile / dY rows per backward group
+constexpr int64_t kChunk = 256;  // columns (forward) or rows (backward) decoded per tile
+
+// Forward micro-kernel: acc[r][q] += Wd[r][kk] * Xp[q][kk][0..8) for r < R,
+// q < Q (1 or 2 panels), over one chunk.
+template <int R, int Q>
+Q4_AVX2 void micro_fwd(const float* wd, const float* const* xp, int64_t len, float* acc_mem) {
+  __m256 acc[R][Q];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) acc[r][q] = _mm256_loadu_ps(acc_mem + (r * 2 + q) * 8);
+  for (int64_t kk = 0; kk < len; ++kk) {
+    __m256 xv[Q];
+    for (int q = 0; q < Q; ++q) xv[q] = _mm256_loadu_ps(xp[q] + kk * 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(wd + r * kChunk + kk);
+      for (int q = 0; q < Q; ++q) acc[r][q] = _mm256_fmadd_ps(w, xv[q], acc[r][q]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) _mm256_storeu_ps(acc_mem + (r * 2 + q) * 8, acc[r][q]);
+}
+
+// The full 6x2 tile with named accumulators: written out so the compiler keeps
+// all 12 in registers (the array form above spills them on every iteration).
+Q4_AVX2 void micro_fwd_6x2(const float* wd, const float* const* xp, int64_t len, float* acc_mem) {
+#define Q4_LOAD_ROW(r) \
+  __m256 a##r##0 = _mm256_loadu_ps(acc_mem + (r * 2) * 8), a##r##1 = _mm256_loadu_ps(acc_mem + (r * 2 + 1) * 8)
+  Q4_LOAD_ROW(0);
+  Q4_LOAD_ROW(1);
+  Q4_LOAD_ROW(2);
+  Q4_LOAD_ROW(3);
+  Q4_LOAD_ROW(4);
+  Q4_LOAD_ROW(5);
+#undef Q4_LOAD_ROW
+  const float* x0 = xp[0];
+  const float* x1 = xp[1];
+  for (int64_t kk = 0; kk < len; ++kk) {
+    const __m256 v0 = _mm256_loadu_ps(x0 + kk * 8), v1 = _mm256_loadu_ps(x1 + kk * 8);
+#define Q4_FMA_ROW(r)                                           \
+  {                                                             \
+    const __m256 w = _mm256_broadcast_ss(wd + r * kChunk + kk); \
+    a##r##0 = _mm256_fmadd_ps(w, v0, a##r##0);                  \
+    a##r##1 = _mm256_fmadd_ps(w, v1, a##r##1);                  \
+  }
+    Q4_FMA_ROW(0)
+    Q4_FMA_ROW(1)
+    Q4_FMA_ROW(2)
+    Q4_FMA_ROW(3)
+    Q4_FMA_ROW(4)
+    Q4_FMA_ROW(5)
+#undef Q4_FMA_ROW
+  }
+#define Q4_STORE_ROW(r)                             \
+  _mm256_storeu_ps(acc_mem + (r * 2) * 8, a##r##0); \
+  _mm256_storeu_ps(acc_mem + (r * 2 + 1) * 8, a##r##1)
+  Q4_STORE_ROW(0);
+  Q4_STORE_ROW(1);
+  Q4_STORE_ROW(2);
+  Q4_STORE_ROW(3);
+  Q4_STORE_ROW(4);
+  Q4_STORE_ROW(5);
+#undef Q4_STORE_ROW
+}
+
+template <int R>
+Q4_AVX2 void micro_fwd_q(int q_count, const float* wd, const float* const* xp, int64_t len, float* acc_mem) {
+  if (q_count == 2)
+    micro_fwd<R, 2>(wd, xp, len, acc_mem);
+  else
+    micro_fwd<R, 1>(wd, xp, len, acc_mem);
+}
+
+Q4_AVX2 void micro_fwd_any(int rows, int q_count, const float* wd, const float* const* xp, int64_t len,
+                           float* acc_mem) {
+  switch (rows) {
+    case 6:
+      return q_count == 2 ? micro_fwd_6x2(wd, xp, len, acc_mem) : micro_fwd_q<6>(q_count, wd, xp, len, acc_mem);
+    case 5:
+      return micro_fwd_q<5>(q_count, wd, xp, len, acc_mem);
+    case 4:
+      return micro_fwd_q<4>(q_count, wd, xp, len, acc_mem);
+    case 3:
+      return micro_fwd_q<3>(q_count, wd, xp, len, acc_mem);
+    case 2:
+      return micro_fwd_q<2>(q_count, wd, xp, len, acc_mem);
+    default:
+      return micro_fwd_q<1>(q_count, wd, xp, len, acc_mem);
+  }
+}
+
+template <QuantType QT>
+Q4_AVX2 void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0,
+                             int64_t t1);
+
+template <QuantType QT>
+void gemm_tiled_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+  const int64_t k = p.k, panels = ceil_div(p.m, 8);
+  // X packed into panels of 8 rows: xp[panel][c][lane], zero-padded rows.
+  float* xp = scratch(kSlotPanels, panels * k * 8);
+  parallel_for(panels, 1, [&](int64_t a, int64_t b) {
+    for (int64_t pn = a; pn < b; ++pn)
+      for (int64_t lane = 0; lane < 8; ++lane) {
+        float* dst = xp + pn * k * 8 + lane;
+        if (pn * 8 + lane >= p.m) {
+          for (int64_t c = 0; c < k; ++c) dst[c * 8] = 0.0f;
+          continue;
+        }
+        const float* src = x + (pn * 8 + lane) * k;
+        for (int64_t c = 0; c < k; ++c) dst[c * 8] = src[c];
+      }
+  });
+  parallel_for(ceil_div(p.n, kRowTile), 1, [&](int64_t t0, int64_t t1) { gemm_tiles_avx2<QT>(p, xp, scales, t0, t1); });
+}
+
+template <QuantType QT>
+Q4_AVX2 void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0,
+                             int64_t t1) {
+  const int64_t k = p.k, panels = ceil_div(p.m, 8);
+  const int shift = log2_exact(p.blocksize);
+  const Table16 table = code_table<QT>();
+  {
+    alignas(32) float wd[kRowTile * kChunk];
+    float* acc = scratch(kSlotAcc, panels * kRowTile * 8);  // per panel: [row][lane]
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t r0 = tile * kRowTile;
+      const int rows = int(std::min<int64_t>(kRowTile, p.n - r0));
+      std::fill(acc, acc + panels * kRowTile * 8, 0.0f);
+      for (int64_t c0 = 0; c0 < k; c0 += kChunk) {
+        const int64_t len = std::min(kChunk, k - c0);
+        for (int r = 0; r < rows; ++r)
+          decode_avx2(table, p.packed, scales, shift, (r0 + r) * k + c0, len, wd + r * kChunk);
+        for (int64_t pn = 0; pn < panels; pn += 2) {
+          const int q_count = pn + 1 < panels ? 2 : 1;
+          const float* xps[2] = {xp_all + pn * k * 8 + c0 * 8, xp_all + std::min(pn + 1, panels - 1) * k * 8 + c0 * 8};
+          // acc layout for a panel pair: [row][q][lane] within acc_pair
+          alignas(32) float pair[kRowTile * 2 * 8];
+          for (int r = 0; r < rows; ++r)
+            for (int q = 0; q < q_count; ++q) memcpy(pair + (r * 2 + q) * 8, acc + ((pn + q) * kRowTile + r) * 8, 32);
+          micro_fwd_any(rows, q_count, wd, xps, len, pair);
+          for (int r = 0; r < rows; ++r)
+            for (int q = 0; q < q_count; ++q) memcpy(acc + ((pn + q) * kRowTile + r) * 8, pair + (r * 2 + q) * 8, 32);
+        }
+      }
+      for (int r = 0; r < rows; ++r) {
+        const float bias = load_bias(p.bias, p.bias_dtype, r0 + r);
+        for (int64_t m = 0; m < p.m; ++m)
+          store_out(p.out, p.out_dtype, m * p.n + r0 + r, acc[((m / 8) * kRowTile + r) * 8 + m % 8] + bias);
+      }
+    }
+  }
+}
+
+// Backward micro-kernel: acc[j][h] += dY[m0+j][r] * Ws[r][8h..8h+8) for
+// j < J dY rows, over `len` W rows of a 16-column strip.
+template <int J>
+Q4_AVX2 void micro_bwd(const float* ws, const float* dy, int64_t ldy, int64_t len, float* acc_mem) {
+  __m256 acc[J][2];
+  for (int j = 0; j < J; ++j)
+    for (int h = 0; h < 2; ++h) acc[j][h] = _mm256_loadu_ps(acc_mem + (j * 2 + h) * 8);
+  for (int64_t r = 0; r < len; ++r) {
+    const __m256 w0 = _mm256_loadu_ps(ws + r * 16), w1 = _mm256_loadu_ps(ws + r * 16 + 8);
+    for (int j = 0; j < J; ++j) {
+      const __m256 g = _mm256_broadcast_ss(dy + j * ldy + r);
+      acc[j][0] = _mm256_fmadd_ps(g, w0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(g, w1, acc[j][1]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_mem + (j * 2 + h) * 8, acc[j][h]);
+}
+
+// Six dY rows with named accumulators (see micro_fwd_6x2).
+Q4_AVX2 void micro_bwd_6(const float* ws, const float* dy, int64_t ldy, int64_t len, float* acc_mem) {
+#define Q4_LOAD_ROW(j) \
+  __m256 a##j##0 = _mm256_loadu_ps(acc_mem + (j * 2) * 8), a##j##1 = _mm256_loadu_ps(acc_mem + (j * 2 + 1) * 8)
+  Q4_LOAD_ROW(0);
+  Q4_LOAD_ROW(1);
+  Q4_LOAD_ROW(2);
+  Q4_LOAD_ROW(3);
+  Q4_LOAD_ROW(4);
+  Q4_LOAD_ROW(5);
+#undef Q4_LOAD_ROW
+  for (int64_t r = 0; r < len; ++r) {
+    const __m256 w0 = _mm256_loadu_ps(ws + r * 16), w1 = _mm256_loadu_ps(ws + r * 16 + 8);
+#define Q4_FMA_ROW(j)                                       \
+  {                                                         \
+    const __m256 g = _mm256_broadcast_ss(dy + j * ldy + r); \
+    a##j##0 = _mm256_fmadd_ps(g, w0, a##j##0);              \
+    a##j##1 = _mm256_fmadd_ps(g, w1, a##j##1);              \
+  }
+    Q4_FMA_ROW(0)
+    Q4_FMA_ROW(1)
+    Q4_FMA_ROW(2)
+    Q4_FMA_ROW(3)
+    Q4_FMA_ROW(4)
+    Q4_FMA_ROW(5)
+#undef Q4_FMA_ROW
+  }
+#define Q4_STORE_ROW(j)                             \
+  _mm256_storeu_ps(acc_mem + (j * 2) * 8, a##j##0); \
+  _mm256_storeu_ps(acc_mem + (j * 2 + 1) * 8, a##j##1)
+  Q4_STORE_ROW(0);
+  Q4_STORE_ROW(1);
+  Q4_STORE_ROW(2);
+  Q4_STORE_ROW(3);
+  Q4_STORE_ROW(4);
+  Q4_STORE_ROW(5);
+#undef Q4_STORE_ROW
+}
+
+Q4_AVX2 void micro_bwd_any(int rows, const float* ws, const float* dy, int64_t ldy, int64_t len, float* acc_mem) {
+  switch (rows) {
+    case 6:
+      return micro_bwd_6(ws, dy, ldy, len, acc_mem);
+    case 5:
+      return micro_bwd<5>(ws, dy, ldy, len, acc_mem);
+    case 4:
+      return micro_bwd<4>(ws, dy, ldy, len, acc_mem);
+    case 3:
+      return micro_bwd<3>(ws, dy, ldy, len, acc_mem);
+    case 2:
+      return micro_bwd<2>(ws, dy, ldy, len, acc_mem);
+    default:
+      return micro_bwd<1>(ws, dy, ldy, len, acc_mem);
+  }
+}
+
+// dX column strips of width 16 (8 for a final strip of k % 16 == 8).
+template <QuantType QT>
+Q4_AVX2 void grad_strips_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales, int64_t s0,
+                              int64_t s1) {
+  const int64_t k = p.k, groups = ceil_div(p.m, kRowTile);
+  const int shift = log2_exact(p.blocksize);
+  const Table16 table = code_table<QT>();
+  {
+    alignas(32) float ws[kChunk * 16];
+    float* acc = scratch(kSlotAcc, groups * kRowTile * 16);
+    for (int64_t strip = s0; strip < s1; ++strip) {
+      const int64_t c0 = strip * 16, width = std::min<int64_t>(16, k - c0);
+      std::fill(acc, acc + groups * kRowTile * 16, 0.0f);
+      for (int64_t r0 = 0; r0 < p.n; r0 += kChunk) {
+        const int64_t len = std::min(kChunk, p.n - r0);
+        for (int64_t r = 0; r < len; ++r) {
+          decode_avx2(table, p.packed, scales, shift, (r0 + r) * k + c0, width, ws + r * 16);
+          if (width == 8) memset(ws + r * 16 + 8, 0, 32);
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          const int rows = int(std::min<int64_t>(kRowTile, p.m - g * kRowTile));
+          micro_bwd_any(rows, ws, dy + g * kRowTile * p.n + r0, p.n, len, acc + g * kRowTile * 16);
+        }
+      }
+      for (int64_t m = 0; m < p.m; ++m)
+        for (int64_t c = 0; c < width; ++c)
+          store_out(p.grad_input, p.grad_input_dtype, m * k + c0 + c, acc[m * 16 + c]);
+    }
+  }
+}
+
+// Small m: every W row is streamed once; for each block piece of the thread's
+// column range the unscaled codes are accumulated into dX with the
+// coefficient dY[m, r] * scale (the scale folded into the broadcast).
+template <QuantType QT, int MR>
+Q4_AVX2 void grad_rows_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales, int64_t g0,
+                            int64_t g1) {
+  const Table16 t = code_table<QT>();
+  const int64_t k = p.k, c0 = g0 * 8, width = (g1 - g0) * 8;
+  const int shift = log2_exact(p.blocksize);
+  float* acc = scratch(kSlotAcc, MR * width);
+  std::fill(acc, acc + MR * width, 0.0f);
+  for (int64_t r = 0; r < p.n; ++r) {
+    const int64_t f0 = r * k + c0;
+    int64_t c = 0;
+    while (c < width) {
+      const int64_t block = (f0 + c) >> shift;
+      const int64_t end = std::min(width, ((block + 1) << shift) - f0);
+      const float s = scales(block);
+      __m256 coef[MR];
+      for (int j = 0; j < MR; ++j) coef[j] = _mm256_set1_ps(dy[j * p.n + r] * s);
+      for (; c < end; c += 8) {
+        const __m256 w = lookup(t, load_nibbles8(p.packed, f0 + c));
+        for (int j = 0; j < MR; ++j) {
+          float* a = acc + j * width + c;
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(coef[j], w, _mm256_loadu_ps(a)));
+        }
+      }
+    }
+  }
+  for (int j = 0; j < MR; ++j)
+    for (int64_t c = 0; c < width; ++c) store_out(p.grad_input, p.grad_input_dtype, j * k + c0 + c, acc[j * width + c]);
+}
+
+template <QuantType QT>
+void grad_input_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales) {
+  if (p.m <= 4) {
+    const int64_t groups = p.k / 8;
+    parallel_for(groups, 32, [&](int64_t g0, int64_t g1) {
+      switch (p.m) {
+        case 4:
+          return grad_rows_avx2<QT, 4>(p, dy, scales, g0, g1);
+        case 3:
+          return grad_rows_avx2<QT, 3>(p, dy, scales, g0, g1);
+        case 2:
+          return grad_rows_avx2<QT, 2>(p, dy, scales, g0, g1);
+        default:
+          return grad_rows_avx2<QT, 1>(p, dy, scales, g0, g1);
+      }
+    });
+    return;
+  }
+  parallel_for(ceil_div(p.k, 16), 1, [&](int64_t s0, int64_t s1) { grad_strips_avx2<QT>(p, dy, scales, s0, s1); });
+}
+
+#endif  // Q4_HAVE_AVX2_CODE
+
+template <QuantType QT>
+void gemm_dispatch(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+#if Q4_HAVE_AVX2_CODE
+  if (cpu_isa() == kIsaAvx2 && p.k % 8 == 0) {
+    if (p.m > 4) return gemm_tiled_avx2<QT>(p, x, scales);
+    for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
+      switch (std::min<int64_t>(4, p.m - m0)) {
+        case 4:
+          gemv_avx2<QT, 4>(p, x, scales, m0);
+          break;
+        case 3:
+          gemv_avx2<QT, 3>(p, x, scales, m0);
+          break;
+        case 2:
+          gemv_avx2<QT, 2>(p, x, scales, m0);
+          break;
+        default:
+          gemv_avx2<QT, 1>(p, x, scales, m0);
+          break;
+      }
+    }
+    return;
+  }
+#endif
+  gemm_scalar<QT>(p, x, scales);
+}
+
+template <QuantType QT>
+void grad_dispatch(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales) {
+#if Q4_HAVE_AVX2_CODE
+  if (cpu_isa() == kIsaAvx2 && p.k % 8 == 0) return grad_input_avx2<QT>(p, dy, scales);
+#endif
+  grad_input_scalar<QT>(p, dy, scales);
+}
+
+}  // namespace
+
+Status gemm_4bit(const Gemm4bitParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  if (p.scales.nested() && p.scales.nested_code) s = validate_code_book(p.scales.nested_code);
+  if (!s.ok()) return s;
+  ScopedIeeeFloat ieee;
+  const Scales scales(p.scales);
+  const float* x = as_f32(p.x, p.x_dtype, p.m * p.k);
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemm_dispatch<QT>(p, x, scales); });
+  return Status::Ok();
+}
+
+Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  if (p.scales.nested() && p.scales.nested_code) s = validate_code_book(p.scales.nested_code);
+  if (!s.ok()) return s;
+  ScopedIeeeFloat ieee;
+  const Scales scales(p.scales);
+  const float* dy = as_f32(p.grad_out, p.grad_out_dtype, p.m * p.n);
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] { grad_dispatch<QT>(p, dy, scales); });
+  return Status::Ok();
+}
+
+}  // namespace cpu
+}  // namespace q4

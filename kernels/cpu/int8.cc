@@ -1,0 +1,721 @@
+// LLM.int8 kernels on the CPU: row-wise quantization, the int8 linear and its
+// input gradient.
+//
+// Row quantization of x [rows, cols] (bit-exact with bitsandbytes 0.50.2's
+// int8_vectorwise_quant, whose CPU path evaluates these torch expressions):
+//   outlier element  threshold > 0 and |x| >= threshold (NaN never is one);
+//   outlier column   a column holding an outlier element;
+//   row_stats[r]     max |x[r, c]| over the non-outlier elements of row r,
+//                    NaN if one of them is NaN;
+//   mult[r]          fp32(fp32(1 / row_stats[r]) * 127): torch evaluates
+//                    `127.0 / t` as `t.reciprocal() * 127`, two roundings;
+//   q[r, c]          round_half_even(clamp(fp32(x[r, c] * mult[r]), -127, 127)),
+//                    0 where the product is NaN (0 * inf in a row whose
+//                    row_stats is 0, NaN input) and 0 in every outlier column.
+// The last rule covers both bitsandbytes cases: with rows > 1 it zeroes whole
+// outlier columns; with one row the outlier columns are exactly the outlier
+// elements, which it zeroes before quantizing.
+//
+// Linear, Y [m, n] from X [m, k] and CB [n, k], SCB [n]; every step an fp32
+// operation in this order, no FMA contraction (the build uses
+// -ffp-contract=off), identical in the scalar and AVX2 paths:
+//   acc[m, n] = sum_k q[m, k] * CB[n, k]                              exact int32
+//   y         = fp32(float(acc) * fp32(row_stats[m] * SCB[n])) * kInv127Sq
+//   outliers (threshold > 0 and outlier columns c_0 < c_1 < ... exist):
+//     wd[n, c] = fp32(float(CB[n, c]) * SCB[n]) * kInv127
+//     o        = ((0 + x[m, c_0] * wd[n, c_0]) + x[m, c_1] * wd[n, c_1]) + ...
+//     y        = y + o
+//   bias:        y = y + bias[n]
+//   out = y rounded to out_dtype (nearest even).
+// float(acc) rounds to nearest for |acc| > 2^24. |acc| <= 128 * 127 * k must
+// fit in int32, so k is limited to kMaxInt8K.
+//
+// Input gradient, dX [m, k] from dY [m, n]:
+//   g[m, n]  = fp32(dY[m, n] * fp32(SCB[n] * kInv127))
+//   dX[m, k] = (((0 + g[m, 0] * CB[0, k]) + g[m, 1] * CB[1, k]) + ...)  fp32,
+//              one multiply and one add per term (no FMA) in both paths, so
+//              the scalar and AVX2 results are identical.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "parallel.h"
+#include "q4/kernels.h"
+#include "q4/quant4.h"
+#include "simd_avx2.h"
+
+// Complete unrolling of the register-tile loops, early enough that GCC keeps
+// the accumulator arrays in registers instead of storing them every step.
+#define Q4_UNROLL _Pragma("GCC unroll 8")
+
+namespace q4 {
+namespace cpu {
+namespace {
+
+constexpr float kInv127 = 1.0f / 127.0f;      // fp32(1/127)
+constexpr float kInv127Sq = 1.0f / 16129.0f;  // fp32(1/127^2)
+constexpr int64_t kMaxInt8K = (int64_t(1) << 31) / (128 * 127) - 1;
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (s + M) - M rounds |s| < 2^22 half-even
+
+// ------------------------------------------------------------ quantization
+
+// One element of a row scaled by mult, as defined above.
+inline int8_t quantize_elem(float x, float mult) {
+  float s = x * mult;
+  if (!(s == s)) return 0;
+  s = s < -127.0f ? -127.0f : (s > 127.0f ? 127.0f : s);
+  return int8_t(int((s + kRoundMagic) - kRoundMagic));
+}
+
+inline float row_multiplier(float row_stat) {
+  const float inv = 1.0f / row_stat;
+  return inv * 127.0f;
+}
+
+inline bool is_outlier(float a, float threshold) { return threshold > 0.0f && a >= threshold; }
+
+template <typename T>
+float row_stat_scalar(const T* x, int64_t n, float threshold) {
+  float m = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(Elem<T>::load(x, i));
+    if (is_outlier(a, threshold)) continue;
+    nan |= (a != a);
+    m = a > m ? a : m;
+  }
+  return nan ? __builtin_nanf("") : m;
+}
+
+// Outlier columns of rows [0, rows) restricted to columns [c0, c1).
+template <typename T>
+void outlier_cols_scalar(const T* x, int64_t rows, int64_t cols, float threshold, int64_t c0, int64_t c1,
+                         uint8_t* flags) {
+  for (int64_t c = c0; c < c1; ++c) flags[c] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    for (int64_t c = c0; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), threshold));
+  }
+}
+
+// q[0, n) of one row; outlier columns (flags[c] != 0, flags may be null) are 0.
+template <typename T>
+void quantize_row_scalar(const T* x, int64_t n, float mult, const uint8_t* flags, int8_t* q) {
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = (flags != nullptr && flags[i]) ? int8_t(0) : quantize_elem(Elem<T>::load(x, i), mult);
+}
+
+#if Q4_HAVE_AVX2_CODE
+template <typename T>
+Q4_AVX2 float row_stat_avx2(const T* x, int64_t n, float threshold) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 thr = _mm256_set1_ps(threshold);
+  const bool use_thr = threshold > 0.0f;
+  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_and_ps(avx2::Vec<T>::load(x + i), abs_mask);
+    if (use_thr) a = _mm256_and_ps(a, _mm256_cmp_ps(a, thr, _CMP_NGE_UQ));  // outliers count as 0
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, a);
+  }
+  const float tail = row_stat_scalar(x + i, n - i, threshold);
+  if (_mm256_movemask_ps(nan) || tail != tail) return __builtin_nanf("");
+  const float v = avx2::hmax(m);
+  return tail > v ? tail : v;
+}
+
+// Columns [8*g0, min(8*g1, cols)) of the outlier flags.
+template <typename T>
+Q4_AVX2 void outlier_cols_avx2(const T* x, int64_t rows, int64_t cols, float threshold, int64_t g0, int64_t g1,
+                               uint8_t* flags) {
+  const int64_t c0 = 8 * g0, c1 = std::min(8 * g1, cols);
+  const int64_t v1 = c0 + (c1 - c0) / 8 * 8;  // columns [c0, v1) in full groups of 8
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 thr = _mm256_set1_ps(threshold);
+  std::vector<uint8_t> bits(size_t((v1 - c0) / 8), 0);  // bit j of bits[g] = column c0 + 8g + j
+  for (int64_t c = c0; c < c1; ++c) flags[c] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    for (int64_t c = c0; c < v1; c += 8) {
+      const __m256 a = _mm256_and_ps(avx2::Vec<T>::load(xr + c), abs_mask);
+      bits[size_t((c - c0) / 8)] |= uint8_t(_mm256_movemask_ps(_mm256_cmp_ps(a, thr, _CMP_GE_OQ)));
+    }
+    for (int64_t c = v1; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), threshold));
+  }
+  for (int64_t c = c0; c < v1; ++c) flags[c] = uint8_t((bits[size_t((c - c0) / 8)] >> ((c - c0) % 8)) & 1);
+}
+
+Q4_AVX2 __m256i quantize8(__m256 x, __m256 mult) {
+  __m256 s = _mm256_mul_ps(x, mult);
+  s = _mm256_and_ps(s, _mm256_cmp_ps(s, s, _CMP_ORD_Q));  // NaN -> +0
+  s = _mm256_min_ps(_mm256_max_ps(s, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+  return _mm256_cvtps_epi32(_mm256_round_ps(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// keep: [n] bytes, 0xff for a regular column, 0 for an outlier column; null
+// when there is no outlier column.
+template <typename T>
+Q4_AVX2 void quantize_row_avx2(const T* x, int64_t n, float mult, const uint8_t* flags, const uint8_t* keep,
+                               int8_t* q) {
+  const __m256 mv = _mm256_set1_ps(mult);
+  const __m256i fix_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i a = quantize8(avx2::Vec<T>::load(x + i), mv);
+    const __m256i b = quantize8(avx2::Vec<T>::load(x + i + 8), mv);
+    const __m256i c = quantize8(avx2::Vec<T>::load(x + i + 16), mv);
+    const __m256i d = quantize8(avx2::Vec<T>::load(x + i + 24), mv);
+    __m256i bytes =
+        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d)), fix_lanes);
+    if (keep != nullptr)
+      bytes = _mm256_and_si256(bytes, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keep + i)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
+  }
+  quantize_row_scalar(x + i, n - i, mult, flags == nullptr ? nullptr : flags + i, q + i);
+}
+#endif
+
+// Quantizes x [rows, cols] into q (row stride q_stride >= cols; columns
+// [cols, q_stride) are zero-filled), row_stats and the outlier column flags
+// (flags [cols], always written). Returns whether any outlier column exists.
+template <typename T>
+bool quantize_rows_impl(const T* x, int64_t rows, int64_t cols, float threshold, bool simd, int8_t* q, int64_t q_stride,
+                        float* row_stats, uint8_t* flags) {
+  bool any = false;
+  if (threshold > 0.0f) {
+    const int64_t groups = ceil_div(cols, 8);
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (8 * rows));
+    parallel_for(groups, grain, [&](int64_t g0, int64_t g1) {
+#if Q4_HAVE_AVX2_CODE
+      if (simd) return outlier_cols_avx2(x, rows, cols, threshold, g0, g1, flags);
+#endif
+      outlier_cols_scalar(x, rows, cols, threshold, 8 * g0, std::min(8 * g1, cols), flags);
+    });
+    for (int64_t c = 0; c < cols && !any; ++c) any = flags[c] != 0;
+  } else {
+    std::memset(flags, 0, size_t(cols));
+  }
+  std::vector<uint8_t> keep;
+  if (any) {
+    keep.resize(size_t(cols));
+    for (int64_t c = 0; c < cols; ++c) keep[size_t(c)] = flags[c] ? 0 : 0xff;
+  }
+  const uint8_t* zero_cols = any ? flags : nullptr;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / cols);
+  parallel_for(rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * cols;
+      int8_t* qr = q + r * q_stride;
+#if Q4_HAVE_AVX2_CODE
+      if (simd) {
+        row_stats[r] = row_stat_avx2(xr, cols, threshold);
+        quantize_row_avx2(xr, cols, row_multiplier(row_stats[r]), zero_cols, any ? keep.data() : nullptr, qr);
+      } else
+#endif
+      {
+        row_stats[r] = row_stat_scalar(xr, cols, threshold);
+        quantize_row_scalar(xr, cols, row_multiplier(row_stats[r]), zero_cols, qr);
+      }
+      std::memset(qr + cols, 0, size_t(q_stride - cols));
+    }
+  });
+  return any;
+}
+
+// ------------------------------------------------------------ linear
+
+// Register tile: kLinMR rows of X by kLinNR rows of W, each accumulator a
+// full dot product over k. X rows are processed in passes of at most
+// kXPanelBytes of quantized X (the pass stays in L2 while W streams by);
+// output columns in sub-blocks of kLinSubCols (the outlier part of a
+// sub-block is computed first, into a buffer the epilogue reads).
+constexpr int kLinMR = 4, kLinNR = 2;
+constexpr int64_t kXPanelBytes = 256 << 10;
+constexpr int64_t kLinSubCols = 256;
+static_assert(kLinSubCols % kLinNR == 0, "sub-blocks hold whole register tiles");
+
+struct LinearShared {
+  const int8_t* xq;  // [m, kp], zero-padded to kp = ceil(k/32)*32
+  int64_t kp;
+  const float* row_stats;  // [m]
+  const int64_t* cols;     // [nc] outlier columns, ascending
+  int64_t nc;
+  const float* x_outliers;  // [m, nc]: x[:, cols] widened to fp32
+  const float* bias;        // [n] widened to fp32, or null
+};
+
+// o[j] = o[j] + x * w[j]: one rounded multiply and one rounded add per
+// element in both paths.
+void axpy_scalar(float* o, const float* w, float x, int64_t len) {
+  for (int64_t j = 0; j < len; ++j) o[j] = o[j] + x * w[j];
+}
+
+#if Q4_HAVE_AVX2_CODE
+Q4_AVX2 void axpy_avx2(float* o, const float* w, float x, int64_t len) {
+  const __m256 xv = _mm256_set1_ps(x);
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8)
+    _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), _mm256_mul_ps(xv, _mm256_loadu_ps(w + j))));
+  axpy_scalar(o + j, w + j, x, len - j);
+}
+#endif
+
+// Outlier part of rows [m0, m1) x columns [ns, ne):
+// o[(r - m0) * (ne - ns) + (j - ns)] = sum over outlier columns in ascending order.
+void outlier_part(const Int8LinearParams& p, const LinearShared& s, bool simd, int64_t m0, int64_t m1, int64_t ns,
+                  int64_t ne, std::vector<float>* wd_t, std::vector<float>* o) {
+  const int64_t width = ne - ns;
+  wd_t->resize(static_cast<size_t>(s.nc * width));  // wd_t[c * width + j] = wd[ns + j, cols[c]]
+  for (int64_t j = 0; j < width; ++j) {
+    const int8_t* wr = p.weight + (ns + j) * p.k;
+    const float scale = p.weight_scale[ns + j];
+    for (int64_t c = 0; c < s.nc; ++c) (*wd_t)[size_t(c * width + j)] = (float(wr[s.cols[c]]) * scale) * kInv127;
+  }
+  o->assign(static_cast<size_t>((m1 - m0) * width), 0.0f);
+  for (int64_t c = 0; c < s.nc; ++c) {
+    const float* wc = wd_t->data() + c * width;
+    for (int64_t r = m0; r < m1; ++r) {
+      float* orow = o->data() + (r - m0) * width;
+      const float x = s.x_outliers[r * s.nc + c];
+#if Q4_HAVE_AVX2_CODE
+      if (simd) {
+        axpy_avx2(orow, wc, x, width);
+        continue;
+      }
+#endif
+      axpy_scalar(orow, wc, x, width);
+    }
+  }
+}
+
+// Output of one tile: acc [mr][kLinNR] for rows m0.. and columns n0..;
+// o: the sub-block's outlier part at (m0, n0) with row stride os, or null.
+template <typename TO>
+void linear_epilogue(const Int8LinearParams& p, const LinearShared& s, int64_t m0, int mr, int64_t n0, int nr,
+                     const int32_t (*acc)[kLinNR], const float* o, int64_t os) {
+  TO* out = static_cast<TO*>(p.out);
+  for (int i = 0; i < mr; ++i) {
+    const int64_t m = m0 + i;
+    for (int j = 0; j < nr; ++j) {
+      const int64_t n = n0 + j;
+      const float scale = s.row_stats[m] * p.weight_scale[n];
+      float y = float(acc[i][j]) * scale;
+      y = y * kInv127Sq;
+      if (o != nullptr) y = y + o[i * os + j];
+      if (s.bias != nullptr) y = y + s.bias[n];
+      Elem<TO>::store(out, m * p.n + n, y);
+    }
+  }
+}
+
+template <int MR, int NR>
+void dot_tile_scalar(const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k, int32_t (*acc)[kLinNR]) {
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const int8_t* xr = xq + i * xs;
+      int32_t a = 0;
+      for (int64_t kk = 0; kk < k; ++kk) a += int32_t(xr[kk]) * int32_t(w[j][kk]);
+      acc[i][j] = a;
+    }
+}
+
+#if Q4_HAVE_AVX2_CODE
+Q4_AVX2 int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// acc[i][j] += 32 products x_i[0..32) . w_j[0..32). maddubs(|w|, sign(x, w))
+// forms w*x pairwise in int16: |pair sum| <= 2 * 128 * 127 < 2^15 because
+// |x| <= 127 (|w| = 128 is fine too), so nothing saturates; madd with ones
+// widens to int32.
+template <int MR, int NR>
+Q4_AVX2 void dot_step_avx2(const int8_t* x, int64_t xs, const int8_t* const* w, __m256i (&acc)[MR][NR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  Q4_UNROLL for (int j = 0; j < NR; ++j) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j]));
+    const __m256i wa = _mm256_abs_epi8(wv);
+    Q4_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * xs));
+      const __m256i pairs = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
+      acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
+    }
+  }
+}
+
+// Dot products of MR rows of xq (stride xs, readable and zero-padded up to
+// ceil(k/32)*32) with NR rows w[j] (readable up to k). The last partial
+// 32-column block of W comes from wtail [NR][32] (zero-padded copies).
+template <int MR, int NR>
+Q4_AVX2 void dot_tile_avx2(const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k, const int8_t (*wtail)[32],
+                           int32_t (*acc)[kLinNR]) {
+  __m256i a[MR][NR];
+  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int j = 0; j < NR; ++j) a[i][j] = _mm256_setzero_si256();
+  const int64_t kfull = k / 32 * 32;
+  const int8_t* wp[NR];
+  for (int64_t kk = 0; kk < kfull; kk += 32) {
+    Q4_UNROLL for (int j = 0; j < NR; ++j) wp[j] = w[j] + kk;
+    dot_step_avx2<MR, NR>(xq + kk, xs, wp, a);
+  }
+  if (kfull < k) {
+    Q4_UNROLL for (int j = 0; j < NR; ++j) wp[j] = wtail[j];
+    dot_step_avx2<MR, NR>(xq + kfull, xs, wp, a);
+  }
+  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = hsum_epi32(a[i][j]);
+}
+#endif
+
+template <int NR>
+void dot_tile(bool simd, int mr, const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k,
+              const int8_t (*wtail)[32], int32_t (*acc)[kLinNR]) {
+#if Q4_HAVE_AVX2_CODE
+  if (simd) {
+    switch (mr) {
+      case 4:
+        return dot_tile_avx2<4, NR>(xq, xs, w, k, wtail, acc);
+      case 3:
+        return dot_tile_avx2<3, NR>(xq, xs, w, k, wtail, acc);
+      case 2:
+        return dot_tile_avx2<2, NR>(xq, xs, w, k, wtail, acc);
+      default:
+        return dot_tile_avx2<1, NR>(xq, xs, w, k, wtail, acc);
+    }
+  }
+#endif
+  (void)wtail;
+  switch (mr) {
+    case 4:
+      return dot_tile_scalar<4, NR>(xq, xs, w, k, acc);
+    case 3:
+      return dot_tile_scalar<3, NR>(xq, xs, w, k, acc);
+    case 2:
+      return dot_tile_scalar<2, NR>(xq, xs, w, k, acc);
+    default:
+      return dot_tile_scalar<1, NR>(xq, xs, w, k, acc);
+  }
+}
+
+// Output columns of W row blocks [b0, b1) (block = kLinNR rows) for X rows [m0, m1).
+template <typename TO>
+void linear_range(const Int8LinearParams& p, const LinearShared& s, bool simd, int64_t m0, int64_t m1, int64_t b0,
+                  int64_t b1) {
+  const int64_t k = p.k;
+  std::vector<float> wd_t, o;
+  alignas(32) int8_t wtail[kLinNR][32];
+  for (int64_t ns = b0 * kLinNR; ns < std::min(b1 * kLinNR, p.n); ns += kLinSubCols) {
+    const int64_t ne = std::min({ns + kLinSubCols, b1 * kLinNR, p.n});
+    if (s.nc > 0) outlier_part(p, s, simd, m0, m1, ns, ne, &wd_t, &o);
+    for (int64_t n0 = ns; n0 < ne; n0 += kLinNR) {
+      const int nr = int(std::min<int64_t>(kLinNR, ne - n0));
+      const int8_t* w[kLinNR];
+      for (int j = 0; j < kLinNR; ++j) w[j] = p.weight + (n0 + std::min(j, nr - 1)) * k;
+      std::memset(wtail, 0, sizeof wtail);
+      for (int j = 0; j < nr; ++j) std::memcpy(wtail[j], w[j] + k / 32 * 32, size_t(k % 32));
+      for (int64_t m = m0; m < m1; m += kLinMR) {
+        const int mr = int(std::min<int64_t>(kLinMR, m1 - m));
+        int32_t acc[kLinMR][kLinNR];
+        if (nr == kLinNR)
+          dot_tile<kLinNR>(simd, mr, s.xq + m * s.kp, s.kp, w, k, wtail, acc);
+        else
+          dot_tile<1>(simd, mr, s.xq + m * s.kp, s.kp, w, k, wtail, acc);
+        const float* ot = s.nc > 0 ? o.data() + (m - m0) * (ne - ns) + (n0 - ns) : nullptr;
+        linear_epilogue<TO>(p, s, m, mr, n0, nr, acc, ot, ne - ns);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------ grad input
+//
+// g is laid out in panels: the rows of a pass (at most kGradPanelFloats / n
+// of them) are split into blocks of at most kGradMR rows; block b, rows
+// r0 .. r0 + mr of the pass, sits at offset r0 * n as [n][mr], so a tile
+// broadcasts consecutive floats. A thread owns a range of dX columns and an
+// fp32 accumulator [rows of the pass][its columns]; it walks W in chunks of
+// kGradNC rows so the W lines of a tile (kGradNC lines) stay in L1 across
+// the row blocks. Each accumulator element still sums over n in order.
+
+constexpr int kGradMR = 6;                     // g rows per register tile
+constexpr int64_t kGradKT = 16;                // dX columns per tile (two __m256)
+constexpr int64_t kGradNC = 256;               // W rows per chunk
+constexpr int64_t kGradPanelFloats = 1 << 17;  // a pass's g panel <= 512 KiB
+
+// W rows [0, nlen) x columns [0, width) (width <= kGradKT) widened to fp32:
+// wf[nn * kGradKT + v] = float(w[nn * ws + v]).
+void widen_w_scalar(const int8_t* w, int64_t ws, int64_t nlen, int64_t width, float* wf) {
+  for (int64_t nn = 0; nn < nlen; ++nn)
+    for (int64_t v = 0; v < width; ++v) wf[nn * kGradKT + v] = float(w[nn * ws + v]);
+}
+
+// acc[i * as + v] (i < MR, v < width) += sum over nn < nlen of
+// panel[nn * MR + i] * wf[nn * kGradKT + v], in nn order.
+template <int MR>
+void grad_tile_scalar(const float* panel, const float* wf, int64_t nlen, int64_t width, float* acc, int64_t as) {
+  for (int64_t nn = 0; nn < nlen; ++nn) {
+    const float* wr = wf + nn * kGradKT;
+    for (int i = 0; i < MR; ++i) {
+      const float g = panel[nn * MR + i];
+      float* a = acc + i * as;
+      for (int64_t v = 0; v < width; ++v) a[v] = a[v] + g * wr[v];
+    }
+  }
+}
+
+#if Q4_HAVE_AVX2_CODE
+Q4_AVX2 void widen_w_avx2(const int8_t* w, int64_t ws, int64_t nlen, int64_t width, float* wf) {
+  if (width < 8) return widen_w_scalar(w, ws, nlen, width, wf);
+  for (int64_t nn = 0; nn < nlen; ++nn)
+    for (int64_t v = 0; v + 8 <= width; v += 8)
+      _mm256_storeu_ps(
+          wf + nn * kGradKT + v,
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + nn * ws + v)))));
+}
+
+template <int MR, int NV>
+Q4_AVX2 void grad_tile_avx2(const float* panel, const float* wf, int64_t nlen, float* acc, int64_t as) {
+  __m256 a[MR][NV];
+  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] =
+      _mm256_loadu_ps(acc + i * as + 8 * v);
+  for (int64_t nn = 0; nn < nlen; ++nn) {
+    __m256 wv[NV];
+    Q4_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wf + nn * kGradKT + 8 * v);
+    Q4_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 g = _mm256_broadcast_ss(panel + nn * MR + i);
+      Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] = _mm256_add_ps(a[i][v], _mm256_mul_ps(g, wv[v]));
+    }
+  }
+  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v)
+      _mm256_storeu_ps(acc + i * as + 8 * v, a[i][v]);
+}
+// As grad_tile_avx2, widening W in registers: for a single row block,
+// where a widened chunk would be used only once.
+template <int MR, int NV>
+Q4_AVX2 void grad_tile_direct_avx2(const float* panel, const int8_t* w, int64_t ws, int64_t nlen, float* acc,
+                                   int64_t as) {
+  __m256 a[MR][NV];
+  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] =
+      _mm256_loadu_ps(acc + i * as + 8 * v);
+  for (int64_t nn = 0; nn < nlen; ++nn) {
+    __m256 wv[NV];
+    Q4_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + nn * ws + 8 * v))));
+    Q4_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 g = _mm256_broadcast_ss(panel + nn * MR + i);
+      Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] = _mm256_add_ps(a[i][v], _mm256_mul_ps(g, wv[v]));
+    }
+  }
+  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v)
+      _mm256_storeu_ps(acc + i * as + 8 * v, a[i][v]);
+}
+
+template <int MR>
+Q4_AVX2 void grad_direct_dispatch_mr(const float* panel, const int8_t* w, int64_t ws, int64_t nlen, int64_t width,
+                                     float* acc, int64_t as) {
+  if (width == 16) return grad_tile_direct_avx2<MR, 2>(panel, w, ws, nlen, acc, as);
+  grad_tile_direct_avx2<MR, 1>(panel, w, ws, nlen, acc, as);
+}
+
+// width 16 or 8.
+void grad_tile_direct(int mr, const float* panel, const int8_t* w, int64_t ws, int64_t nlen, int64_t width, float* acc,
+                      int64_t as) {
+  switch (mr) {
+    case 6:
+      return grad_direct_dispatch_mr<6>(panel, w, ws, nlen, width, acc, as);
+    case 5:
+      return grad_direct_dispatch_mr<5>(panel, w, ws, nlen, width, acc, as);
+    case 4:
+      return grad_direct_dispatch_mr<4>(panel, w, ws, nlen, width, acc, as);
+    case 3:
+      return grad_direct_dispatch_mr<3>(panel, w, ws, nlen, width, acc, as);
+    case 2:
+      return grad_direct_dispatch_mr<2>(panel, w, ws, nlen, width, acc, as);
+    default:
+      return grad_direct_dispatch_mr<1>(panel, w, ws, nlen, width, acc, as);
+  }
+}
+#endif
+
+template <int MR>
+void grad_tile(bool simd, const float* panel, const float* wf, int64_t nlen, int64_t width, float* acc, int64_t as) {
+#if Q4_HAVE_AVX2_CODE
+  if (simd && width == 16) return grad_tile_avx2<MR, 2>(panel, wf, nlen, acc, as);
+  if (simd && width == 8) return grad_tile_avx2<MR, 1>(panel, wf, nlen, acc, as);
+#endif
+  (void)simd;
+  grad_tile_scalar<MR>(panel, wf, nlen, width, acc, as);
+}
+
+void grad_tile_dispatch(int mr, bool simd, const float* panel, const float* wf, int64_t nlen, int64_t width, float* acc,
+                        int64_t as) {
+  switch (mr) {
+    case 6:
+      return grad_tile<6>(simd, panel, wf, nlen, width, acc, as);
+    case 5:
+      return grad_tile<5>(simd, panel, wf, nlen, width, acc, as);
+    case 4:
+      return grad_tile<4>(simd, panel, wf, nlen, width, acc, as);
+    case 3:
+      return grad_tile<3>(simd, panel, wf, nlen, width, acc, as);
+    case 2:
+      return grad_tile<2>(simd, panel, wf, nlen, width, acc, as);
+    default:
+      return grad_tile<1>(simd, panel, wf, nlen, width, acc, as);
+  }
+}
+
+// Row blocks of one pass: sizes differ by at most one, none above kGradMR.
+struct RowBlocks {
+  int64_t count;
+  int64_t rows;
+  int64_t size(int64_t b) const { return rows / count + (b < rows % count ? 1 : 0); }
+  int64_t start(int64_t b) const { return b * (rows / count) + std::min(b, rows % count); }
+};
+
+// dX rows [m0, m0 + blocks.rows) x the columns of tiles [t0, t1).
+template <typename TO>
+void grad_range(const Int8GradInputParams& p, const float* panel, int64_t m0, const RowBlocks& blocks, bool simd,
+                int64_t t0, int64_t t1) {
+  const int64_t c0 = t0 * kGradKT, c1 = std::min(t1 * kGradKT, p.k), as = c1 - c0;
+  std::vector<float> acc(static_cast<size_t>(blocks.rows * as), 0.0f);  // [rows][c1 - c0]
+  std::vector<float> wf(static_cast<size_t>(kGradNC * kGradKT));        // one W chunk of a tile, widened
+  for (int64_t nb = 0; nb < p.n; nb += kGradNC) {
+    const int64_t nlen = std::min(kGradNC, p.n - nb);
+    for (int64_t c = c0; c < c1;) {
+      const int64_t left = std::min(kGradKT, c1 - c);
+      const int64_t width = left >= 16 ? 16 : (left >= 8 ? 8 : left);  // AVX2 pieces of 16 or 8, then scalar
+      const int8_t* w = p.weight + nb * p.k + c;
+#if Q4_HAVE_AVX2_CODE
+      if (simd && blocks.count == 1 && width >= 8) {
+        grad_tile_direct(int(blocks.rows), panel + nb * blocks.rows, w, p.k, nlen, width, acc.data() + (c - c0), as);
+        c += width;
+        continue;
+      }
+      if (simd)
+        widen_w_avx2(w, p.k, nlen, width, wf.data());
+      else
+#endif
+        widen_w_scalar(w, p.k, nlen, width, wf.data());
+      for (int64_t b = 0; b < blocks.count; ++b) {
+        const int64_t r0 = blocks.start(b);
+        grad_tile_dispatch(int(blocks.size(b)), simd, panel + r0 * p.n + nb * blocks.size(b), wf.data(), nlen, width,
+                           acc.data() + r0 * as + (c - c0), as);
+      }
+      c += width;
+    }
+  }
+  TO* dx = static_cast<TO*>(p.grad_input);
+  for (int64_t r = 0; r < blocks.rows; ++r)
+    for (int64_t c = c0; c < c1; ++c) Elem<TO>::store(dx, (m0 + r) * p.k + c, acc[size_t(r * as + c - c0)]);
+}
+
+}  // namespace
+
+Status int8_quantize_rows(const Int8QuantizeRowsParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  const bool simd = cpu_isa() == kIsaAvx2;
+  std::vector<uint8_t> local;
+  uint8_t* flags = p.outlier_cols;
+  if (flags == nullptr) {
+    local.resize(size_t(p.cols));
+    flags = local.data();
+  }
+  Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
+    quantize_rows_impl(static_cast<const T*>(p.x), p.rows, p.cols, p.threshold, simd, p.q, p.cols, p.row_stats, flags);
+  });
+  return Status::Ok();
+}
+
+Status int8_linear(const Int8LinearParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  if (p.k > kMaxInt8K)
+    return Status::Invalid("int8 linear: k = " + std::to_string(p.k) + " overflows the int32 accumulator (max " +
+                           std::to_string(kMaxInt8K) + ")");
+  const bool simd = cpu_isa() == kIsaAvx2;
+  const int64_t m = p.m, n = p.n, k = p.k, kp = ceil_div(k, 32) * 32;
+
+  std::vector<int8_t> xq(static_cast<size_t>(m * kp));
+  std::vector<float> row_stats(static_cast<size_t>(m));
+  std::vector<uint8_t> flags(static_cast<size_t>(k));
+  std::vector<int64_t> cols;
+  std::vector<float> x_outliers, bias;
+  Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
+    const T* x = static_cast<const T*>(p.x);
+    if (quantize_rows_impl(x, m, k, p.threshold, simd, xq.data(), kp, row_stats.data(), flags.data())) {
+      for (int64_t c = 0; c < k; ++c)
+        if (flags[size_t(c)]) cols.push_back(c);
+      const int64_t nc = int64_t(cols.size());
+      x_outliers.resize(size_t(m * nc));
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < nc; ++c) x_outliers[size_t(r * nc + c)] = Elem<T>::load(x, r * k + cols[size_t(c)]);
+    }
+  });
+  if (p.bias != nullptr) {
+    bias.resize(size_t(n));
+    Q4_DTYPE_SWITCH(p.bias_dtype, T, [&] {
+      for (int64_t j = 0; j < n; ++j) bias[size_t(j)] = Elem<T>::load(static_cast<const T*>(p.bias), j);
+    });
+  }
+  const LinearShared shared{xq.data(),
+                            kp,
+                            row_stats.data(),
+                            cols.data(),
+                            int64_t(cols.size()),
+                            x_outliers.data(),
+                            p.bias != nullptr ? bias.data() : nullptr};
+  hint_fresh_output(p.out, m * n * (p.out_dtype == kF32 ? 4 : 2));
+  const int64_t m_chunk = std::max<int64_t>(kLinMR, kXPanelBytes / kp / kLinMR * kLinMR);
+  const int64_t n_blocks = ceil_div(n, kLinNR);
+  Q4_DTYPE_SWITCH(p.out_dtype, TO, [&] {
+    for (int64_t m0 = 0; m0 < m; m0 += m_chunk) {
+      const int64_t m1 = std::min(m, m0 + m_chunk);
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / ((m1 - m0) * kp * kLinNR));
+      parallel_for(n_blocks, grain, [&](int64_t b0, int64_t b1) { linear_range<TO>(p, shared, simd, m0, m1, b0, b1); });
+    }
+  });
+  return Status::Ok();
+}
+
+Status int8_grad_input(const Int8GradInputParams& p) {
+  Status s = validate(p);
+  if (!s.ok()) return s;
+  const bool simd = cpu_isa() == kIsaAvx2;
+  const int64_t m = p.m, n = p.n, k = p.k;
+  std::vector<float> col_scale(static_cast<size_t>(n));  // fp32(SCB[n] * kInv127)
+  for (int64_t j = 0; j < n; ++j) col_scale[size_t(j)] = p.weight_scale[j] * kInv127;
+  const int64_t m_chunk = std::max<int64_t>(1, std::min(m, kGradPanelFloats / n));
+  std::vector<float> panel(static_cast<size_t>(m_chunk * n));
+  hint_fresh_output(p.grad_input, m * k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  const int64_t tiles = ceil_div(k, kGradKT);
+  for (int64_t m0 = 0; m0 < m; m0 += m_chunk) {
+    const int64_t mc = std::min(m_chunk, m - m0);
+    const RowBlocks blocks{ceil_div(mc, kGradMR), mc};
+    Q4_DTYPE_SWITCH(p.grad_out_dtype, T, [&] {
+      const T* dy = static_cast<const T*>(p.grad_out);
+      parallel_for(blocks.count, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t r0 = blocks.start(b), mr = blocks.size(b);
+          float* pb = panel.data() + r0 * n;
+          for (int64_t i = 0; i < mr; ++i)
+            for (int64_t j = 0; j < n; ++j)
+              pb[j * mr + i] = Elem<T>::load(dy, (m0 + r0 + i) * n + j) * col_scale[size_t(j)];
+        }
+      });
+    });
+    Q4_DTYPE_SWITCH(p.grad_input_dtype, TO, [&] {
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (mc * n * kGradKT));
+      parallel_for(tiles, grain,
+                   [&](int64_t t0, int64_t t1) { grad_range<TO>(p, panel.data(), m0, blocks, simd, t0, t1); });
+    });
+  }
+  return Status::Ok();
+}
+
+}  // namespace cpu
+}  // namespace q4

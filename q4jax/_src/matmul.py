@@ -1,0 +1,153 @@
+"""matmul_4bit: x . dequantize(W)^T (+ bias) as a jax.custom_vjp over the
+fused kernels. Neither direction materialises the dequantized weight."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from q4jax._src import ffi
+from q4jax._src.quant import QuantState
+
+
+def _check(x, packed, state: QuantState, bias):
+    if not isinstance(state, QuantState):
+        raise TypeError(f"state must be a q4jax.QuantState, got {type(state).__name__}")
+    if len(state.shape) != 2:
+        raise ValueError(f"a matmul weight must be 2-D (out_features, in_features), got shape {state.shape}")
+    n, k = state.shape
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"x has {x.shape[-1] if x.ndim else 0} features, the weight expects {k} (weight shape {state.shape})"
+        )
+    ffi.dtype_name(x.dtype)
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"packed must be uint8, got {packed.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+
+
+def _forward(x, packed, state, bias):
+    n, k = state.shape
+    return ffi.gemm_4bit_raw(
+        x,
+        packed,
+        state.absmax,
+        state.nested_absmax,
+        state.nested_offset,
+        bias,
+        n,
+        k,
+        state.blocksize,
+        state.quant_type,
+        x.dtype,
+    )
+
+
+@jax.custom_vjp
+def _matmul_4bit(x, packed, state, bias):
+    return _forward(x, packed, state, bias)
+
+
+def _matmul_4bit_fwd(x, packed, state, bias):
+    """Residuals: (packed, state, bias-is-present marker, x dtype) — the packed
+    weight and its state, never the dequantized weight and never a value
+    captured from Python, so remat / scan recompute uses the weight they see."""
+    y = _forward(x, packed, state, bias)
+    return y, (packed, state, None if bias is None else jnp.zeros((), bias.dtype), jnp.zeros((), x.dtype))
+
+
+def _matmul_4bit_bwd(res, g):
+    packed, state, bias_marker, x_marker = res
+    n, k = state.shape
+    dx = ffi.gemm_4bit_grad_input_raw(
+        g,
+        packed,
+        state.absmax,
+        state.nested_absmax,
+        state.nested_offset,
+        n,
+        k,
+        state.blocksize,
+        state.quant_type,
+        x_marker.dtype,
+    )
+    dbias = None
+    if bias_marker is not None:
+        dbias = jnp.sum(g.reshape(-1, n).astype(jnp.float32), axis=0).astype(bias_marker.dtype)
+    # the quantized weight is frozen: zero cotangents for its arrays
+    zero_state = jax.tree.map(jnp.zeros_like, state)
+    return dx, jnp.zeros_like(packed), zero_state, dbias
+
+
+_matmul_4bit.defvjp(_matmul_4bit_fwd, _matmul_4bit_bwd)
+
+
+def matmul_4bit(x: jax.Array, packed: jax.Array, state: QuantState, bias: jax.Array | None = None) -> jax.Array:
+    """y = x . dequantize(packed, state)^T (+ bias), for x [..., in_features].
+
+    The weight [out_features, in_features] is used through the fused kernels in
+    both directions; gradients flow to x and bias (the quantized weight is
+    frozen). Works under jit, vmap (over x, or over stacked weights), grad,
+    jax.checkpoint and lax.scan.
+    """
+    _check(x, packed, state, bias)
+    return _matmul_4bit(x, packed, state, bias)
+
+
+# ------------------------------------------------------------------ 8-bit
+
+
+def _check_8bit(x, weight, scale, bias, threshold):
+    if weight.dtype != jnp.int8 or weight.ndim != 2:
+        raise TypeError(f"weight must be a 2-D int8 array (CB), got {weight.dtype} with shape {weight.shape}")
+    n, k = weight.shape
+    if scale.shape != (n,) or scale.dtype != jnp.float32:
+        raise ValueError(f"weight_scale must be float32 of shape ({n},), got {scale.dtype} {scale.shape}")
+    if x.ndim < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"x has {x.shape[-1] if x.ndim else 0} features, the weight expects {k} (weight shape {(n, k)})"
+        )
+    ffi.dtype_name(x.dtype)
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _matmul_8bit(x, weight, scale, bias, threshold):
+    return ffi.int8_linear_raw(x, weight, scale, bias, threshold, x.dtype)
+
+
+def _matmul_8bit_fwd(x, weight, scale, bias, threshold):
+    """Residuals: the int8 weight and its scales (never a dequantized copy)."""
+    y = ffi.int8_linear_raw(x, weight, scale, bias, threshold, x.dtype)
+    return y, (weight, scale, None if bias is None else jnp.zeros((), bias.dtype), jnp.zeros((), x.dtype))
+
+
+def _matmul_8bit_bwd(threshold, res, g):
+    weight, scale, bias_marker, x_marker = res
+    dx = ffi.int8_grad_input_raw(g, weight, scale, x_marker.dtype)
+    dbias = None
+    if bias_marker is not None:
+        dbias = jnp.sum(g.reshape(-1, weight.shape[0]).astype(jnp.float32), axis=0).astype(bias_marker.dtype)
+    return dx, jnp.zeros_like(weight), jnp.zeros_like(scale), dbias
+
+
+_matmul_8bit.defvjp(_matmul_8bit_fwd, _matmul_8bit_bwd)
+
+
+def matmul_8bit(
+    x: jax.Array, weight: jax.Array, weight_scale: jax.Array, bias: jax.Array | None = None, threshold: float = 0.0
+) -> jax.Array:
+    """LLM.int8 linear: y ~= x . (weight * weight_scale[:, None] / 127)^T (+ bias).
+
+    x is quantized row-wise to int8 inside the kernel; with threshold > 0 the
+    input columns holding any |x| >= threshold go through an fp32 matmul
+    unquantized. Gradients flow to x (dX = g . dequantized W, fused) and bias.
+    """
+    _check_8bit(x, weight, weight_scale, bias, threshold)
+    return _matmul_8bit(x, weight, weight_scale, bias, float(threshold))

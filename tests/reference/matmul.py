@@ -1,0 +1,33 @@
+"""fp64 references for the fused matmuls, and the error baseline they are
+judged against: the same product computed by dequantizing the weight to the
+input dtype and running a dense matmul in that dtype (what a user would do
+without fused kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def rel_err(got, want) -> float:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def dense_baseline(a32: np.ndarray, b32: np.ndarray, dtype: str) -> np.ndarray:
+    """a @ b computed densely in `dtype` (torch CPU matmul), returned as fp64."""
+    a = torch.from_numpy(np.array(a32, np.float32)).to(TORCH[dtype])
+    b = torch.from_numpy(np.array(b32, np.float32)).to(TORCH[dtype])
+    return (a @ b).double().numpy()
+
+
+def check_against_baseline(got, a32, b32, dtype: str, slack: float = 1.5, what: str = "") -> None:
+    """Relative error of `got` vs the fp64 product no larger than `slack` x that
+    of the dense baseline in the same dtype (plus one fp32 ulp of headroom)."""
+    want = a32.astype(np.float64) @ b32.astype(np.float64)
+    base = rel_err(dense_baseline(a32, b32, dtype), want)
+    err = rel_err(got, want)
+    assert err <= slack * base + 2 * np.finfo(np.float32).eps, f"{what}: error {err:.3e} vs dense {dtype} {base:.3e}"
