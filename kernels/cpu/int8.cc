@@ -46,10 +46,6 @@
 #include "q4/quant4.h"
 #include "simd_avx2.h"
 
-// Complete unrolling of the register-tile loops, early enough that GCC keeps
-// the accumulator arrays in registers instead of storing them every step.
-#define Q4_UNROLL _Pragma("GCC unroll 8")
-
 namespace q4 {
 namespace cpu {
 namespace {
@@ -323,6 +319,9 @@ void dot_tile_scalar(const int8_t* xq, int64_t xs, const int8_t* const* w, int64
 }
 
 #if Q4_HAVE_AVX2_CODE
+// The register tiles fully unroll their loops over MR / NR / NV with
+// `#pragma GCC unroll`, early enough that GCC keeps the accumulator arrays
+// in registers; without it they are stored to the stack on every step.
 Q4_AVX2 int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -337,10 +336,12 @@ Q4_AVX2 int32_t hsum_epi32(__m256i v) {
 template <int MR, int NR>
 Q4_AVX2 void dot_step_avx2(const int8_t* x, int64_t xs, const int8_t* const* w, __m256i (&acc)[MR][NR]) {
   const __m256i ones = _mm256_set1_epi16(1);
-  Q4_UNROLL for (int j = 0; j < NR; ++j) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[j]));
     const __m256i wa = _mm256_abs_epi8(wv);
-    Q4_UNROLL for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * xs));
       const __m256i pairs = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv));
       acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
@@ -355,18 +356,26 @@ template <int MR, int NR>
 Q4_AVX2 void dot_tile_avx2(const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k, const int8_t (*wtail)[32],
                            int32_t (*acc)[kLinNR]) {
   __m256i a[MR][NR];
-  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int j = 0; j < NR; ++j) a[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) a[i][j] = _mm256_setzero_si256();
   const int64_t kfull = k / 32 * 32;
   const int8_t* wp[NR];
   for (int64_t kk = 0; kk < kfull; kk += 32) {
-    Q4_UNROLL for (int j = 0; j < NR; ++j) wp[j] = w[j] + kk;
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wp[j] = w[j] + kk;
     dot_step_avx2<MR, NR>(xq + kk, xs, wp, a);
   }
   if (kfull < k) {
-    Q4_UNROLL for (int j = 0; j < NR; ++j) wp[j] = wtail[j];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wp[j] = wtail[j];
     dot_step_avx2<MR, NR>(xq + kfull, xs, wp, a);
   }
-  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = hsum_epi32(a[i][j]);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = hsum_epi32(a[i][j]);
 }
 #endif
 
@@ -438,7 +447,9 @@ void linear_range(const Int8LinearParams& p, const LinearShared& s, bool simd, i
 // broadcasts consecutive floats. A thread owns a range of dX columns and an
 // fp32 accumulator [rows of the pass][its columns]; it walks W in chunks of
 // kGradNC rows so the W lines of a tile (kGradNC lines) stay in L1 across
-// the row blocks. Each accumulator element still sums over n in order.
+// the row blocks, widening each chunk of a tile to fp32 once for all of
+// them (with a single row block the AVX2 path widens in registers instead).
+// Each accumulator element still sums over n in order.
 
 constexpr int kGradMR = 6;                     // g rows per register tile
 constexpr int64_t kGradKT = 16;                // dX columns per tile (two __m256)
@@ -479,18 +490,25 @@ Q4_AVX2 void widen_w_avx2(const int8_t* w, int64_t ws, int64_t nlen, int64_t wid
 template <int MR, int NV>
 Q4_AVX2 void grad_tile_avx2(const float* panel, const float* wf, int64_t nlen, float* acc, int64_t as) {
   __m256 a[MR][NV];
-  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] =
-      _mm256_loadu_ps(acc + i * as + 8 * v);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) a[i][v] = _mm256_loadu_ps(acc + i * as + 8 * v);
   for (int64_t nn = 0; nn < nlen; ++nn) {
     __m256 wv[NV];
-    Q4_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wf + nn * kGradKT + 8 * v);
-    Q4_UNROLL for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wf + nn * kGradKT + 8 * v);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
       const __m256 g = _mm256_broadcast_ss(panel + nn * MR + i);
-      Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] = _mm256_add_ps(a[i][v], _mm256_mul_ps(g, wv[v]));
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm256_add_ps(a[i][v], _mm256_mul_ps(g, wv[v]));
     }
   }
-  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v)
-      _mm256_storeu_ps(acc + i * as + 8 * v, a[i][v]);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + i * as + 8 * v, a[i][v]);
 }
 // As grad_tile_avx2, widening W in registers: for a single row block,
 // where a widened chunk would be used only once.
@@ -498,19 +516,27 @@ template <int MR, int NV>
 Q4_AVX2 void grad_tile_direct_avx2(const float* panel, const int8_t* w, int64_t ws, int64_t nlen, float* acc,
                                    int64_t as) {
   __m256 a[MR][NV];
-  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] =
-      _mm256_loadu_ps(acc + i * as + 8 * v);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) a[i][v] = _mm256_loadu_ps(acc + i * as + 8 * v);
   for (int64_t nn = 0; nn < nlen; ++nn) {
     __m256 wv[NV];
-    Q4_UNROLL for (int v = 0; v < NV; ++v) wv[v] = _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + nn * ws + 8 * v))));
-    Q4_UNROLL for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      wv[v] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + nn * ws + 8 * v))));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
       const __m256 g = _mm256_broadcast_ss(panel + nn * MR + i);
-      Q4_UNROLL for (int v = 0; v < NV; ++v) a[i][v] = _mm256_add_ps(a[i][v], _mm256_mul_ps(g, wv[v]));
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm256_add_ps(a[i][v], _mm256_mul_ps(g, wv[v]));
     }
   }
-  Q4_UNROLL for (int i = 0; i < MR; ++i) Q4_UNROLL for (int v = 0; v < NV; ++v)
-      _mm256_storeu_ps(acc + i * as + 8 * v, a[i][v]);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(acc + i * as + 8 * v, a[i][v]);
 }
 
 template <int MR>

@@ -82,7 +82,7 @@ def test_opcheck_and_compile(rng):
         g = _t(inputs.make(rng, (5, 48), "float32"))
         torch.library.opcheck(ops.gemm_4bit_grad_input, (g,) + args[1:-1])
 
-        def step(inp, bias):
+        def step(inp, bias, packed=packed, st=st):
             return q4torch.matmul_4bit(inp, packed, st, bias=bias).pow(2).sum()
 
         compiled = torch.compile(step, fullgraph=True)
