@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, median_ms, print_table, write_json  # noqa: E402
@@ -50,7 +49,6 @@ def main() -> dict:
     pj, sj = q4jax.quantize_4bit(jnp.asarray(w.numpy()), 64, "nf4", True)
     w_deq = F.dequantize_4bit(packed, state)
     bnb_layer = bnb.nn.Linear4bit(K, N, bias=False, compute_dtype=torch.float32, quant_type="nf4").to("cpu")
-    wj_dense = jnp.asarray(w.numpy())
     bw = read_bandwidth_gbs(torch)
 
     jit_q4 = jax.jit(lambda x: q4jax.matmul_4bit(x, pj, sj))
@@ -95,6 +93,29 @@ def main() -> dict:
     }
     r["(dequant + dense) / q4"] = r["dequantize + dense matmul"] / r["q4 PyTorch grad input"]
     results["backward dX, batch 32"] = r
+
+    # LLM.int8 (Linear8bitLt-style, threshold 6.0), batch 32
+    layer8 = bnb.nn.Linear8bitLt(K, N, bias=False, has_fp16_weights=False, threshold=6.0)
+    layer8.weight.data = w.clone()
+    layer8 = layer8.to("cpu")
+    x = torch.randn(32, K)
+    layer8(x)
+    cb, scb = layer8.weight.data, layer8.weight.SCB
+    cbj, scbj = jnp.asarray(cb.numpy()), jnp.asarray(scb.numpy())
+    jit_8 = jax.jit(lambda a: q4jax.matmul_8bit(a, cbj, scbj, threshold=6.0))
+    xj = jnp.asarray(x.numpy())
+    exact = x.double() @ w.double().t()
+    r = {
+        "q4 PyTorch int8_linear": median_ms(lambda: F.int8_linear(x, cb, scb, 6.0)),
+        "q4 JAX matmul_8bit (jit)": median_ms(lambda: jax.block_until_ready(jit_8(xj))),
+        "bitsandbytes Linear8bitLt": median_ms(lambda: layer8(x), repeat=5),
+        "dense fp32 torch F.linear": median_ms(lambda: torch.nn.functional.linear(x, w)),
+        "q4 rel. error vs fp64": float((F.int8_linear(x, cb, scb, 6.0).double() - exact).norm() / exact.norm()),
+        "bnb rel. error vs fp64": float((layer8(x).double() - exact).norm() / exact.norm()),
+    }
+    r["bnb / q4"] = r["bitsandbytes Linear8bitLt"] / r["q4 PyTorch int8_linear"]
+    r["JAX / PyTorch"] = r["q4 JAX matmul_8bit (jit)"] / r["q4 PyTorch int8_linear"]
+    results["LLM.int8 forward, batch 32"] = r
 
     m_info = machine()
     print(
