@@ -246,48 +246,79 @@ Q4_AVX2 void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scale
   }
 }
 
-// Batch-1 gemv over pairs of W rows when every block lies inside one row
-// (k % blocksize == 0): both rows share the x loads and the loop control, and
-// their four accumulator chains overlap.
-template <QuantType QT>
-Q4_AVX2 void gemv1_row_pairs_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t n0,
-                                  int64_t n1) {
+// Batch-1 gemv for k % 64 == 0, on 64-element chunks: one 32-byte load holds
+// the chunk's nibbles, dword j = elements 8j..8j+7 with element 8j+i at bit
+// offset kNibbleShift[i]. Step i extracts nibble i of every dword with
+// immediate shifts (no shuffle), giving elements {8j+i}; x is pre-transposed
+// per chunk to match (xt[c*64 + 8i + j] = x[c*64 + 8j + i]). Lane j's block
+// scale is applied once per chunk (lanes 0-3 and 4-7 differ when blocksize
+// is 32). R rows share every x load.
+template <QuantType QT, int R>
+Q4_AVX2 void gemv1_chunk_rows_avx2(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t r0) {
   const Table16 t = code_table<QT>();
-  const int64_t k = p.k, bs = p.blocksize, blocks_per_row = k / bs;
-  for (int64_t r = n0; r < n1; r += 2) {
-    const int64_t fa = r * k, fb = fa + k;
-    __m256 total_a = _mm256_setzero_ps(), total_b = _mm256_setzero_ps();
-    for (int64_t blk = 0; blk < blocks_per_row; ++blk) {
-      const float sa = scales(r * blocks_per_row + blk), sb = scales((r + 1) * blocks_per_row + blk);
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-      for (int64_t c = blk * bs; c < (blk + 1) * bs; c += 16) {
-        const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
-        a0 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fa + c)), x0, a0);
-        a1 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fa + c + 8)), x1, a1);
-        b0 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fb + c)), x0, b0);
-        b1 = _mm256_fmadd_ps(lookup(t, load_nibbles8(p.packed, fb + c + 8)), x1, b1);
-      }
-      total_a = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(sa), total_a);
-      total_b = _mm256_fmadd_ps(_mm256_add_ps(b0, b1), _mm256_set1_ps(sb), total_b);
+  const int64_t k = p.k, chunks = k / 64;
+  const int shift = log2_exact(p.blocksize);
+  __m256 total[R];
+  for (int j = 0; j < R; ++j) total[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m256i v[R];
+    __m256 scale[R], acc0[R], acc1[R];
+    for (int j = 0; j < R; ++j) {
+      const int64_t f = (r0 + j) * k + c * 64;
+      v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.packed + f / 2));
+      const float s_lo = scales(f >> shift), s_hi = scales((f + 32) >> shift);
+      scale[j] = _mm256_setr_ps(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
+      acc0[j] = acc1[j] = _mm256_setzero_ps();
     }
-    const __m256 totals[2] = {total_a, total_b};
-    for (int j = 0; j < 2; ++j) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, totals[j]);
-      const float sum =
-          ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-      store_out(p.out, p.out_dtype, r + j, sum + load_bias(p.bias, p.bias_dtype, r + j));
-    }
+    const float* xc = xt + c * 64;
+#define Q4_STEP(i, right, acc)                                                                             \
+  {                                                                                                        \
+    const __m256 xv = _mm256_loadu_ps(xc + 8 * (i));                                                       \
+    for (int j = 0; j < R; ++j) {                                                                          \
+      const __m256i idx = _mm256_srli_epi32(v[j], right);                                                  \
+      const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(v[j], 28 - (right)));                       \
+      const __m256 w =                                                                                     \
+          _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, idx), _mm256_permutevar8x32_ps(t.hi, idx), sel); \
+      acc[j] = _mm256_fmadd_ps(w, xv, acc[j]);                                                             \
+    }                                                                                                      \
   }
+    Q4_STEP(0, 4, acc0)
+    Q4_STEP(1, 0, acc1)
+    Q4_STEP(2, 12, acc0)
+    Q4_STEP(3, 8, acc1)
+    Q4_STEP(4, 20, acc0)
+    Q4_STEP(5, 16, acc1)
+    Q4_STEP(6, 28, acc0)
+    Q4_STEP(7, 24, acc1)
+#undef Q4_STEP
+    for (int j = 0; j < R; ++j) total[j] = _mm256_fmadd_ps(_mm256_add_ps(acc0[j], acc1[j]), scale[j], total[j]);
+  }
+  for (int j = 0; j < R; ++j) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, total[j]);
+    const float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    store_out(p.out, p.out_dtype, r0 + j, sum + load_bias(p.bias, p.bias_dtype, r0 + j));
+  }
+}
+
+template <QuantType QT>
+Q4_AVX2 void gemv1_chunked_avx2(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t n0,
+                                int64_t n1) {
+  int64_t r = n0;
+  for (; r + 2 <= n1; r += 2) gemv1_chunk_rows_avx2<QT, 2>(p, xt, scales, r);
+  if (r < n1) gemv1_chunk_rows_avx2<QT, 1>(p, xt, scales, r);
 }
 
 template <QuantType QT, int MR>
 void gemv_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t m0) {
-  if (MR == 1 && p.m == 1 && p.k % p.blocksize == 0 && p.blocksize % 16 == 0) {
-    // pairs of rows; an odd last row goes through the single-row loop
-    const int64_t pairs = p.n / 2;
-    parallel_for(pairs, 4, [&](int64_t a, int64_t b) { gemv1_row_pairs_avx2<QT>(p, x, scales, 2 * a, 2 * b); });
-    if (p.n % 2) gemv_rows_avx2<QT, 1>(p, x, scales, 0, p.n - 1, p.n);
+  if (MR == 1 && p.m == 1 && p.k % 64 == 0) {
+    float* xt = scratch(kSlotPanels, p.k);
+    for (int64_t c = 0; c < p.k; c += 64)
+      for (int i = 0; i < 8; ++i)
+        for (int j = 0; j < 8; ++j) xt[c + 8 * i + j] = x[c + 8 * j + i];
+    // even row ranges so that most rows are processed in pairs
+    parallel_for(ceil_div(p.n, 2), 4,
+                 [&](int64_t a, int64_t b) { gemv1_chunked_avx2<QT>(p, xt, scales, 2 * a, std::min(p.n, 2 * b)); });
     return;
   }
   parallel_for(p.n, 8, [&](int64_t n0, int64_t n1) { gemv_rows_avx2<QT, MR>(p, x, scales, m0, n0, n1); });
