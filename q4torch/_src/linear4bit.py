@@ -1,0 +1,405 @@
+"""4-bit layers with bitsandbytes' names, constructor arguments and checkpoint
+keys: Params4bit, Linear4bit, LinearNF4, LinearFP4.
+
+Differences from bitsandbytes 0.50.2, all deliberate fixes:
+- copying: ``copy.deepcopy`` of a layer gives an independent layer (its
+  weight's ``module`` is the copy; nothing points back at the original, and
+  quantizing the copy never touches the original);
+- reload: ``load_state_dict`` restores a quantized checkpoint (strict or not),
+  before or after the first forward, without mutating the caller's tensors;
+- a forward never changes a parameter's dtype (the bias is cast on a copy);
+- the backward uses the packed weight saved by the forward
+  (``save_for_backward``), so recompute under activation checkpointing with
+  streamed weights is correct.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import q4
+from q4torch import functional as F
+
+_QUANT_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
+_JSON_KEY = "quant_state.bitsandbytes__"
+
+
+class Params4bit(nn.Parameter):
+    """A weight that is quantized to 4 bits on its first move to a device
+    (``.to(device)``, ``.cpu()``, ``.cuda()``), or explicitly with
+    :meth:`quantize`. Before that it holds the float weight; after, the packed
+    bytes ``(ceil(n*k/2), 1)`` viewed as ``quant_storage``, with ``quant_state``.
+    """
+
+    def __new__(
+        cls,
+        data: torch.Tensor | None = None,
+        requires_grad: bool = False,
+        quant_state: F.QuantState | None = None,
+        blocksize: int | None = None,
+        compress_statistics: bool = True,
+        quant_type: str = "fp4",
+        quant_storage: torch.dtype = torch.uint8,
+        module: Linear4bit | None = None,
+        bnb_quantized: bool = False,
+        **kwargs: Any,
+    ) -> Params4bit:
+        if data is None:
+            data = torch.empty(0)
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.blocksize = q4.check_blocksize(64 if blocksize is None else blocksize)
+        self.compress_statistics = compress_statistics
+        if quant_type not in q4.QUANT_TYPES:
+            raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+        self.quant_type = quant_type
+        self.quant_state = quant_state
+        self.quant_storage = quant_storage
+        self.bnb_quantized = bnb_quantized
+        self.module = module
+        return self
+
+    # -- state proxies (FSDP's state-dict traversal resolves "weight.absmax" by getattr)
+
+    def _qs(self, name: str, nested: bool = False):
+        qs = self.__dict__.get("quant_state")
+        if qs is None or (nested and qs.state2 is None):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return qs
+
+    absmax = property(lambda self: self._qs("absmax").absmax)
+    code = property(lambda self: self._qs("code").code)
+    quant_map = property(lambda self: self._qs("quant_map").code)
+    offset = property(lambda self: self._qs("offset").offset)
+    state2 = property(lambda self: self._qs("state2").state2)
+    nested_absmax = property(lambda self: self._qs("nested_absmax", True).state2.absmax)
+    nested_blocksize = property(lambda self: self._qs("nested_blocksize", True).state2.blocksize)
+    nested_quant_map = property(lambda self: self._qs("nested_quant_map", True).state2.code)
+    nested_dtype = property(lambda self: self._qs("nested_dtype", True).state2.dtype)
+    nested_offset = property(lambda self: self._qs("nested_offset").offset)
+
+    # -- copying and pickling
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["data"] = self.data
+        state["requires_grad"] = self.requires_grad
+        return state
+
+    def __setstate__(self, state):
+        self.requires_grad = state["requires_grad"]
+        for key in ("blocksize", "compress_statistics", "quant_type", "quant_state", "quant_storage", "bnb_quantized"):
+            setattr(self, key, state[key])
+        self.data = state["data"]
+        self.module = state.get("module")
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_params4bit, (self.__getstate__(),))
+
+    def __deepcopy__(self, memo):
+        # Everything is deep-copied through `memo`, so a quant_state shared
+        # with the owning module stays shared inside the copy, and `module`
+        # points at the module's copy when the module is being copied (and at
+        # nothing otherwise): the copy never reaches back into the original.
+        if id(self) in memo:
+            return memo[id(self)]
+        new = type(self).__new__(type(self), self.data.clone(), self.requires_grad)
+        memo[id(self)] = new
+        for key in ("blocksize", "compress_statistics", "quant_type", "quant_storage", "bnb_quantized"):
+            setattr(new, key, getattr(self, key))
+        new.quant_state = copy.deepcopy(self.quant_state, memo)
+        new.module = memo.get(id(self.module)) if self.module is not None else None
+        return new
+
+    def __copy__(self):
+        new = type(self).__new__(type(self), self.data, self.requires_grad)
+        new.__setstate__(self.__getstate__())
+        return new
+
+    # -- construction from a checkpoint
+
+    @classmethod
+    def from_prequantized(
+        cls,
+        data: torch.Tensor,
+        quantized_stats: dict[str, Any],
+        requires_grad: bool = False,
+        device="cuda",
+        module: Linear4bit | None = None,
+        **kwargs: Any,
+    ) -> Params4bit:
+        """A quantized weight from checkpoint entries (bitsandbytes keys, with or
+        without the ``weight.`` prefix). Every entry is validated; the caller's
+        tensors are copied, never aliased."""
+        quant_state = F.QuantState.from_dict(dict(quantized_stats), device=device)
+        _check_packed(data, quant_state, "weight")
+        self = cls(
+            data.detach().to(device, copy=True),
+            requires_grad=requires_grad,
+            quant_state=quant_state,
+            blocksize=quant_state.blocksize,
+            compress_statistics=quant_state.nested,
+            quant_type=quant_state.quant_type,
+            quant_storage=data.dtype,
+            module=module,
+            bnb_quantized=True,
+        )
+        if module is not None:
+            module.quant_state = quant_state
+        return self
+
+    # -- quantization
+
+    def _quantize(self, device) -> Params4bit:
+        w = self.data.contiguous().to(device)
+        if not w.is_floating_point() or w.dim() != 2:
+            raise ValueError(
+                f"Params4bit can only quantize a 2-D float weight, got {w.dtype} with shape {tuple(w.shape)}"
+            )
+        packed, quant_state = F.quantize_4bit(
+            w,
+            blocksize=self.blocksize,
+            compress_statistics=self.compress_statistics,
+            quant_type=self.quant_type,
+            quant_storage=self.quant_storage,
+        )
+        self.data = packed
+        self.quant_state = quant_state
+        if self.module is not None:
+            self.module.quant_state = quant_state
+        self.bnb_quantized = True
+        return self
+
+    def quantize(self) -> Params4bit:
+        """Quantize in place on the weight's current device (no-op if quantized)."""
+        return self if self.bnb_quantized else self._quantize(self.device)
+
+    def cpu(self):
+        return self.to(device="cpu")
+
+    def cuda(self, device=None, non_blocking: bool = False):
+        return self.to(device="cuda" if device is None else device, non_blocking=non_blocking)
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type != "meta" and not self.bnb_quantized:
+            return self._quantize(device)
+        if self.quant_state is not None and device is not None:
+            self.quant_state.to(device)
+        # the packed bytes never change dtype: a dtype argument applies to float params only
+        moved = super().to(device=device, dtype=None if self.bnb_quantized else dtype, non_blocking=non_blocking)
+        return Params4bit(
+            moved,
+            requires_grad=self.requires_grad,
+            quant_state=self.quant_state,
+            blocksize=self.blocksize,
+            compress_statistics=self.compress_statistics,
+            quant_type=self.quant_type,
+            quant_storage=self.quant_storage,
+            module=self.module,
+            bnb_quantized=self.bnb_quantized,
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch.chunk / torch.split (FSDP sharding) keep the quantization attributes
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func in (torch.chunk, torch.split):
+            src = args[0]
+
+            def wrap(t):
+                return cls(
+                    t,
+                    requires_grad=src.requires_grad,
+                    quant_state=src.quant_state,
+                    blocksize=src.blocksize,
+                    compress_statistics=src.compress_statistics,
+                    quant_type=src.quant_type,
+                    quant_storage=src.quant_storage,
+                    module=src.module,
+                    bnb_quantized=src.bnb_quantized,
+                )
+
+            return tuple(wrap(t) for t in result) if isinstance(result, tuple) else wrap(result)
+        return result
+
+
+def _rebuild_params4bit(state):
+    p = Params4bit.__new__(Params4bit, state["data"], state["requires_grad"])
+    p.__setstate__(state)
+    return p
+
+
+def _check_packed(data: torch.Tensor, quant_state: F.QuantState, key: str) -> None:
+    n = 1
+    for s in quant_state.shape:
+        n *= int(s)
+    want = (n + 1) // 2
+    got = data.numel() * data.element_size()
+    if got != want:
+        raise q4.QuantStateError(
+            f"'{key}' holds {got} bytes, but its quant_state shape {tuple(quant_state.shape)} needs {want}"
+        )
+
+
+class Linear4bit(nn.Linear):
+    """A linear layer with a 4-bit weight (NF4 or FP4, blockwise, optionally
+    nested absmax), as bitsandbytes.nn.Linear4bit.
+
+    Quantization happens on the first move to a device (``.to("cpu")``) or
+    with :meth:`quantize`. The forward runs the fused kernel in the input's
+    dtype (or ``compute_dtype`` when given) and returns the input's dtype;
+    gradients flow to the input and the bias.
+    """
+
+    def __init__(
+        self,
+        input_features: int,
+        output_features: int,
+        bias: bool = True,
+        compute_dtype: torch.dtype | None = None,
+        compress_statistics: bool = True,
+        quant_type: str = "fp4",
+        quant_storage: torch.dtype = torch.uint8,
+        device=None,
+    ):
+        super().__init__(input_features, output_features, bias, device)
+        self.weight = Params4bit(
+            self.weight.data,
+            requires_grad=False,
+            compress_statistics=compress_statistics,
+            quant_type=quant_type,
+            quant_storage=quant_storage,
+            module=self,
+        )
+        self.compute_dtype = compute_dtype
+        self.quant_state = None
+        self.quant_storage = quant_storage
+
+    def quantize(self) -> Linear4bit:
+        """Quantize the weight now, on its current device (no-op if quantized)."""
+        if not isinstance(self.weight, Params4bit):
+            raise TypeError(f"weight must be a Params4bit, got {type(self.weight).__name__}")
+        self.weight.module = self
+        self.weight.quantize()
+        self.quant_state = self.weight.quant_state
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        quant_state = getattr(weight, "quant_state", None) or self.quant_state
+        if not getattr(weight, "bnb_quantized", quant_state is not None) or quant_state is None:
+            raise RuntimeError(
+                "Linear4bit weight is not quantized yet: call .to(device) or .quantize() before the forward"
+            )
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, this layer expects in_features={self.in_features}")
+        compute = self.compute_dtype if self.compute_dtype is not None else x.dtype
+        bias = None if self.bias is None else self.bias.to(compute)  # a copy: the parameter keeps its dtype
+        y = F.matmul_4bit(x.to(compute), weight, quant_state=quant_state, bias=bias)
+        return y.to(x.dtype)
+
+    # -- checkpoints
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        quant_state = getattr(self.weight, "quant_state", None)
+        if quant_state is not None:
+            for key, value in quant_state.as_dict(packed=True).items():
+                destination[prefix + "weight." + key] = value if keep_vars else value.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
+        weight_key = prefix + "weight"
+        quant_keys = [k for k in state_dict if k.startswith(weight_key + ".")]
+        # everything but the weight goes through the standard path (bias, extra params)
+        rest = {k: v for k, v in state_dict.items() if k != weight_key and k not in quant_keys}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs)
+        if weight_key in missing_keys:
+            missing_keys.remove(weight_key)
+        if weight_key not in state_dict:
+            if quant_keys:
+                errs.append(f"'{weight_key}' is missing but its quantization entries are present")
+            else:
+                missing_keys.append(weight_key)
+            return
+        data = state_dict[weight_key]
+        device = self.weight.device
+        try:
+            if any(k.startswith(weight_key + "." + _JSON_KEY) for k in quant_keys):
+                stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
+                new = Params4bit.from_prequantized(data, stats, device=device, module=self)
+                if tuple(new.quant_state.shape) != (self.out_features, self.in_features):
+                    raise q4.QuantStateError(
+                        f"'{weight_key}' quant_state shape {tuple(new.quant_state.shape)} does not match this "
+                        f"layer's ({self.out_features}, {self.in_features})"
+                    )
+                self.weight = new
+                self.quant_state = new.quant_state
+            elif quant_keys:
+                raise q4.QuantStateError(
+                    f"'{weight_key}' has quantization entries {sorted(quant_keys)} but no "
+                    f"'{weight_key}.{_JSON_KEY}<nf4|fp4>' entry"
+                )
+            else:
+                if tuple(data.shape) != (self.out_features, self.in_features):
+                    raise ValueError(
+                        f"size mismatch for {weight_key}: checkpoint {tuple(data.shape)}, "
+                        f"layer ({self.out_features}, {self.in_features})"
+                    )
+                was_quantized = getattr(self.weight, "bnb_quantized", False)
+                w = self.weight
+                self.weight = Params4bit(
+                    data.detach().to(
+                        device, dtype=torch.float32 if not data.is_floating_point() else data.dtype, copy=True
+                    ),
+                    requires_grad=False,
+                    blocksize=w.blocksize,
+                    compress_statistics=w.compress_statistics,
+                    quant_type=w.quant_type,
+                    quant_storage=w.quant_storage,
+                    module=self,
+                )
+                self.quant_state = None
+                if was_quantized:  # a float checkpoint into a quantized layer: quantize it the same way
+                    self.quantize()
+        except (ValueError, TypeError) as e:
+            errs.append(f"while loading '{weight_key}': {e}")
+
+
+class LinearFP4(Linear4bit):
+    """Linear4bit with FP4 codes."""
+
+    def __init__(
+        self,
+        input_features,
+        output_features,
+        bias=True,
+        compute_dtype=None,
+        compress_statistics=True,
+        quant_storage=torch.uint8,
+        device=None,
+    ):
+        super().__init__(
+            input_features, output_features, bias, compute_dtype, compress_statistics, "fp4", quant_storage, device
+        )
+
+
+class LinearNF4(Linear4bit):
+    """Linear4bit with NF4 codes (QLoRA's NormalFloat4)."""
+
+    def __init__(
+        self,
+        input_features,
+        output_features,
+        bias=True,
+        compute_dtype=None,
+        compress_statistics=True,
+        quant_storage=torch.uint8,
+        device=None,
+    ):
+        super().__init__(
+            input_features, output_features, bias, compute_dtype, compress_statistics, "nf4", quant_storage, device
+        )
