@@ -3,7 +3,9 @@
 //
 // Row quantization of x [rows, cols] (bit-exact with bitsandbytes 0.50.2's
 // int8_vectorwise_quant, whose CPU path evaluates these torch expressions):
-//   outlier element  threshold > 0 and |x| >= threshold (NaN never is one);
+//   outlier element  threshold > 0 and |x| >= cut (NaN never is one), where
+//                    cut = threshold rounded to x's dtype: torch compares
+//                    `A.abs() >= threshold` in A's dtype (fp16 6.0009 -> 6.0);
 //   outlier column   a column holding an outlier element;
 //   row_stats[r]     max |x[r, c]| over the non-outlier elements of row r,
 //                    NaN if one of them is NaN;
@@ -70,15 +72,25 @@ inline float row_multiplier(float row_stat) {
   return inv * 127.0f;
 }
 
-inline bool is_outlier(float a, float threshold) { return threshold > 0.0f && a >= threshold; }
+// cut: the comparison value above, NaN when outliers are off (threshold 0),
+// so that no element compares >= it.
+inline bool is_outlier(float a, float cut) { return a >= cut; }
 
 template <typename T>
-float row_stat_scalar(const T* x, int64_t n, float threshold) {
+float outlier_cut(float threshold) {
+  if (!(threshold > 0.0f)) return __builtin_nanf("");
+  T t;
+  Elem<T>::store(&t, 0, threshold);
+  return Elem<T>::load(&t, 0);
+}
+
+template <typename T>
+float row_stat_scalar(const T* x, int64_t n, float cut) {
   float m = 0.0f;
   bool nan = false;
   for (int64_t i = 0; i < n; ++i) {
     const float a = std::fabs(Elem<T>::load(x, i));
-    if (is_outlier(a, threshold)) continue;
+    if (is_outlier(a, cut)) continue;
     nan |= (a != a);
     m = a > m ? a : m;
   }
@@ -87,12 +99,11 @@ float row_stat_scalar(const T* x, int64_t n, float threshold) {
 
 // Outlier columns of rows [0, rows) restricted to columns [c0, c1).
 template <typename T>
-void outlier_cols_scalar(const T* x, int64_t rows, int64_t cols, float threshold, int64_t c0, int64_t c1,
-                         uint8_t* flags) {
+void outlier_cols_scalar(const T* x, int64_t rows, int64_t cols, float cut, int64_t c0, int64_t c1, uint8_t* flags) {
   for (int64_t c = c0; c < c1; ++c) flags[c] = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
-    for (int64_t c = c0; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), threshold));
+    for (int64_t c = c0; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), cut));
   }
 }
 
@@ -105,10 +116,10 @@ void quantize_row_scalar(const T* x, int64_t n, float mult, const uint8_t* flags
 
 #if Q4_HAVE_AVX2_CODE
 template <typename T>
-Q4_AVX2 float row_stat_avx2(const T* x, int64_t n, float threshold) {
+Q4_AVX2 float row_stat_avx2(const T* x, int64_t n, float cut) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 thr = _mm256_set1_ps(threshold);
-  const bool use_thr = threshold > 0.0f;
+  const __m256 thr = _mm256_set1_ps(cut);
+  const bool use_thr = cut == cut;
   __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -117,7 +128,7 @@ Q4_AVX2 float row_stat_avx2(const T* x, int64_t n, float threshold) {
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
     m = _mm256_max_ps(m, a);
   }
-  const float tail = row_stat_scalar(x + i, n - i, threshold);
+  const float tail = row_stat_scalar(x + i, n - i, cut);
   if (_mm256_movemask_ps(nan) || tail != tail) return __builtin_nanf("");
   const float v = avx2::hmax(m);
   return tail > v ? tail : v;
@@ -125,12 +136,12 @@ Q4_AVX2 float row_stat_avx2(const T* x, int64_t n, float threshold) {
 
 // Columns [8*g0, min(8*g1, cols)) of the outlier flags.
 template <typename T>
-Q4_AVX2 void outlier_cols_avx2(const T* x, int64_t rows, int64_t cols, float threshold, int64_t g0, int64_t g1,
+Q4_AVX2 void outlier_cols_avx2(const T* x, int64_t rows, int64_t cols, float cut, int64_t g0, int64_t g1,
                                uint8_t* flags) {
   const int64_t c0 = 8 * g0, c1 = std::min(8 * g1, cols);
   const int64_t v1 = c0 + (c1 - c0) / 8 * 8;  // columns [c0, v1) in full groups of 8
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 thr = _mm256_set1_ps(threshold);
+  const __m256 thr = _mm256_set1_ps(cut);
   std::vector<uint8_t> bits(size_t((v1 - c0) / 8), 0);  // bit j of bits[g] = column c0 + 8g + j
   for (int64_t c = c0; c < c1; ++c) flags[c] = 0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -139,7 +150,7 @@ Q4_AVX2 void outlier_cols_avx2(const T* x, int64_t rows, int64_t cols, float thr
       const __m256 a = _mm256_and_ps(avx2::Vec<T>::load(xr + c), abs_mask);
       bits[size_t((c - c0) / 8)] |= uint8_t(_mm256_movemask_ps(_mm256_cmp_ps(a, thr, _CMP_GE_OQ)));
     }
-    for (int64_t c = v1; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), threshold));
+    for (int64_t c = v1; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), cut));
   }
   for (int64_t c = c0; c < v1; ++c) flags[c] = uint8_t((bits[size_t((c - c0) / 8)] >> ((c - c0) % 8)) & 1);
 }
@@ -181,14 +192,15 @@ template <typename T>
 bool quantize_rows_impl(const T* x, int64_t rows, int64_t cols, float threshold, bool simd, int8_t* q, int64_t q_stride,
                         float* row_stats, uint8_t* flags) {
   bool any = false;
-  if (threshold > 0.0f) {
+  const float cut = outlier_cut<T>(threshold);
+  if (cut == cut) {
     const int64_t groups = ceil_div(cols, 8);
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (8 * rows));
     parallel_for(groups, grain, [&](int64_t g0, int64_t g1) {
 #if Q4_HAVE_AVX2_CODE
-      if (simd) return outlier_cols_avx2(x, rows, cols, threshold, g0, g1, flags);
+      if (simd) return outlier_cols_avx2(x, rows, cols, cut, g0, g1, flags);
 #endif
-      outlier_cols_scalar(x, rows, cols, threshold, 8 * g0, std::min(8 * g1, cols), flags);
+      outlier_cols_scalar(x, rows, cols, cut, 8 * g0, std::min(8 * g1, cols), flags);
     });
     for (int64_t c = 0; c < cols && !any; ++c) any = flags[c] != 0;
   } else {
@@ -207,12 +219,12 @@ bool quantize_rows_impl(const T* x, int64_t rows, int64_t cols, float threshold,
       int8_t* qr = q + r * q_stride;
 #if Q4_HAVE_AVX2_CODE
       if (simd) {
-        row_stats[r] = row_stat_avx2(xr, cols, threshold);
+        row_stats[r] = row_stat_avx2(xr, cols, cut);
         quantize_row_avx2(xr, cols, row_multiplier(row_stats[r]), zero_cols, any ? keep.data() : nullptr, qr);
       } else
 #endif
       {
-        row_stats[r] = row_stat_scalar(xr, cols, threshold);
+        row_stats[r] = row_stat_scalar(xr, cols, cut);
         quantize_row_scalar(xr, cols, row_multiplier(row_stats[r]), zero_cols, qr);
       }
       std::memset(qr + cols, 0, size_t(q_stride - cols));
@@ -644,6 +656,7 @@ void grad_range(const Int8GradInputParams& p, const float* panel, int64_t m0, co
 Status int8_quantize_rows(const Int8QuantizeRowsParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
+  const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
   const bool simd = cpu_isa() == kIsaAvx2;
   std::vector<uint8_t> local;
   uint8_t* flags = p.outlier_cols;
@@ -660,6 +673,7 @@ Status int8_quantize_rows(const Int8QuantizeRowsParams& p) {
 Status int8_linear(const Int8LinearParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
+  const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
   if (p.k > kMaxInt8K)
     return Status::Invalid("int8 linear: k = " + std::to_string(p.k) + " overflows the int32 accumulator (max " +
                            std::to_string(kMaxInt8K) + ")");
@@ -711,6 +725,7 @@ Status int8_linear(const Int8LinearParams& p) {
 Status int8_grad_input(const Int8GradInputParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
+  const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
   const bool simd = cpu_isa() == kIsaAvx2;
   const int64_t m = p.m, n = p.n, k = p.k;
   std::vector<float> col_scale(static_cast<size_t>(n));  // fp32(SCB[n] * kInv127)

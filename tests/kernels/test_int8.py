@@ -74,7 +74,7 @@ def test_quantize_rows_matches_bitsandbytes_and_oracle(isa, rng, dtype, threshol
     for shape, cols, zero_rows in QUANT_CASES:
         x = _activations(rng, shape, dtype, cols, zero_rows)
         q, stats, flags = q4.int8_quantize_rows(x, threshold)
-        ref_q, ref_stats, ref_flags = oracle.quantize_rows(inputs.to_f32(x), threshold)
+        ref_q, ref_stats, ref_flags = oracle.quantize_rows(inputs.to_f32(x), threshold, dtype)
         assert np.array_equal(q, ref_q), shape
         assert np.array_equal(inputs.bits(stats), inputs.bits(ref_stats)), shape
         assert np.array_equal(flags, ref_flags), shape
@@ -103,6 +103,22 @@ def test_quantize_rows_outlier_rows_and_ties(isa):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows_threshold_in_input_dtype(isa, rng, dtype):
+    """|x| is compared with the threshold rounded to x's dtype, as torch does
+    (fp16 6.0009 -> 6.0, bf16 6.01 -> 6.0); a threshold that rounds to 0
+    makes every element an outlier."""
+    for threshold in (6.0009, 6.01, 5.999, 1e-10):
+        x = _activations(rng, (5, 24), dtype, scale=4.0)
+        x[1, 3] = 6.0
+        x[2, 7] = -6.0
+        q, stats, flags = q4.int8_quantize_rows(x, threshold)
+        ref_q, ref_stats, ref_flags = oracle.quantize_rows(inputs.to_f32(x), threshold, dtype)
+        bnb_q, bnb_stats, bnb_flags = _bnb_quantize(x, threshold)
+        for ours, ref, bnb in ((q, ref_q, bnb_q), (stats, ref_stats, bnb_stats), (flags, ref_flags, bnb_flags)):
+            assert np.array_equal(ours, ref) and np.array_equal(ours, bnb), threshold
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_rows_special_values(isa, rng, dtype):
     """Denormals, huge values, Inf and NaN follow the definition (oracle)."""
     for threshold in (0.0, 6.0):
@@ -112,7 +128,7 @@ def test_quantize_rows_special_values(isa, rng, dtype):
             x[4, 7] = np.inf
             x[5, 9] = np.nan
         q, stats, flags = q4.int8_quantize_rows(x, threshold)
-        ref_q, ref_stats, ref_flags = oracle.quantize_rows(inputs.to_f32(x), threshold)
+        ref_q, ref_stats, ref_flags = oracle.quantize_rows(inputs.to_f32(x), threshold, dtype)
         assert np.array_equal(q, ref_q)
         assert np.array_equal(inputs.bits(stats), inputs.bits(ref_stats))
         assert np.array_equal(flags, ref_flags)
@@ -205,7 +221,9 @@ def test_linear_dtypes(rng, x_dtype, out_dtype, bias_dtype):
     bias = None if bias_dtype is None else rng.standard_normal(n).astype(inputs.NP_DTYPES[bias_dtype])
     for threshold in (0.0, 6.0):
         y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
-        ref32 = oracle.linear_f32(inputs.to_f32(x), w, scb, threshold, None if bias is None else inputs.to_f32(bias))
+        ref32 = oracle.linear_f32(
+            inputs.to_f32(x), w, scb, threshold, None if bias is None else inputs.to_f32(bias), x_dtype
+        )
         assert np.array_equal(inputs.bits(y), inputs.bits(inputs.to_dtype(ref32, out_dtype)))
     if out_dtype == x_dtype:
         assert q4.int8_linear(x, w, scb).dtype == x.dtype  # default output dtype: x's
@@ -306,3 +324,31 @@ def test_bad_input_raises_with_value():
         q4.int8_grad_input(np.ones((2, 4), F32), w, scb)  # grad_out features != n
     with pytest.raises(ValueError, match=r"\(2,\)"):
         q4.int8_grad_input(np.ones((2, 3), F32), w, np.ones(2, F32))
+
+
+def test_flush_denormal_mode_does_not_change_results(rng):
+    """Denormal values follow IEEE rules even when the calling thread flushes
+    denormals (torch.set_flush_denormal, or XLA's threads)."""
+    x = (rng.standard_normal((3, 40)) * 1e-39).astype(F32)  # subnormal row_stats
+    w, _ = _weight(rng, 9, 40)
+    tiny_scb = np.full(9, 1e-40, F32)  # SCB * 1/127 and the scaled outputs are subnormal
+    dy = rng.standard_normal((3, 9)).astype(F32)
+    xs = _activations(rng, (3, 40), "float32", outlier_cols=(4,))
+
+    def run():
+        return [
+            *q4.int8_quantize_rows(x),
+            q4.int8_linear(xs, w, tiny_scb, threshold=6.0),
+            q4.int8_grad_input(dy, w, tiny_scb),
+        ]
+
+    want = run()
+    assert want[-1].any() and np.all(np.abs(want[-1]) < np.finfo(F32).tiny)
+    assert torch.set_flush_denormal(True)
+    try:
+        got = run()
+    finally:
+        torch.set_flush_denormal(False)
+    for a, b in zip(want, got, strict=True):
+        assert np.array_equal(inputs.bits(a), inputs.bits(b))
+    assert np.array_equal(inputs.bits(want[-1]), inputs.bits(oracle.grad_input_f32(dy, w, tiny_scb)))

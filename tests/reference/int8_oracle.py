@@ -16,6 +16,7 @@ Inputs are fp32 arrays (fp16 / bf16 widen exactly to fp32).
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 F32 = np.float32
@@ -24,11 +25,23 @@ INV127SQ = F32(1) / F32(16129)  # fp32(1/127^2)
 U32 = 2.0**-24  # unit roundoff of fp32
 
 
-def quantize_rows(x: np.ndarray, threshold: float = 0.0):
-    """LLM.int8 row-wise quantization of x [rows, cols] (fp32 values).
+STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def outlier_cut(threshold: float, dtype: str = "float32") -> np.float32:
+    """The value |x| is compared with: fp32(threshold) rounded to x's storage
+    dtype (torch compares `A.abs() >= threshold` in A's dtype)."""
+    with np.errstate(over="ignore"):
+        return F32(np.array(F32(threshold)).astype(STORAGE[dtype]).astype(F32))
+
+
+def quantize_rows(x: np.ndarray, threshold: float = 0.0, dtype: str = "float32"):
+    """LLM.int8 row-wise quantization of x [rows, cols] (fp32 values of an
+    array stored as `dtype`).
 
     Returns (q int8 [rows, cols], row_stats fp32 [rows], outlier_cols bool [cols]):
-      outlier element: threshold > 0 and |x| >= threshold; outlier column: holds one;
+      outlier element: threshold > 0 and |x| >= outlier_cut(threshold, dtype);
+      outlier column: holds one;
       row_stats = max |x| over the row's non-outlier elements (NaN propagates);
       mult = fp32(fp32(1 / row_stats) * 127)  (torch's `127.0 / t` is t.reciprocal() * 127);
       q = round_half_even(clamp(fp32(x * mult), -127, 127)), 0 for a NaN product,
@@ -36,7 +49,7 @@ def quantize_rows(x: np.ndarray, threshold: float = 0.0):
     """
     x = np.asarray(x, F32)
     a = np.abs(x)
-    outlier = a >= F32(threshold) if threshold > 0 else np.zeros(x.shape, bool)
+    outlier = a >= outlier_cut(threshold, dtype) if threshold > 0 else np.zeros(x.shape, bool)
     cols = outlier.any(axis=0)
     row_stats = np.where(outlier, F32(0), a).max(axis=1).astype(F32)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -58,13 +71,13 @@ def dequantize_weight_f64(weight: np.ndarray, weight_scale: np.ndarray) -> np.nd
     return weight.astype(np.float64) * np.asarray(weight_scale, np.float64)[:, None] / 127.0
 
 
-def linear_f64(x, weight, weight_scale, threshold=0.0, bias=None):
+def linear_f64(x, weight, weight_scale, threshold=0.0, bias=None, dtype="float32"):
     """Exact value of the int8 linear given its quantization of x:
     acc * row_stats * SCB / 127^2 + x[:, outlier cols] . W[:, outlier cols]^T (+ bias), in fp64.
     Returns (y fp64 [m, n], terms fp64 [m, n]) where terms bounds the sum of
     the magnitudes of everything added (for error bounds)."""
     x = np.asarray(x, F32)
-    q, row_stats, cols = quantize_rows(x, threshold)
+    q, row_stats, cols = quantize_rows(x, threshold, dtype)
     acc = int_dot(q, weight).astype(np.float64)
     scale = np.asarray(row_stats, np.float64)[:, None] * np.asarray(weight_scale, np.float64)[None, :]
     y = acc * scale / 16129.0
@@ -81,7 +94,7 @@ def linear_f64(x, weight, weight_scale, threshold=0.0, bias=None):
     return y, terms
 
 
-def linear_f32(x, weight, weight_scale, threshold=0.0, bias=None) -> np.ndarray:
+def linear_f32(x, weight, weight_scale, threshold=0.0, bias=None, dtype="float32") -> np.ndarray:
     """The int8 linear in its documented fp32 evaluation order (before the
     final rounding to the output dtype):
       y = fp32(fp32(float(acc) * fp32(row_stats[m] * SCB[n])) * fp32(1/127^2))
@@ -90,7 +103,7 @@ def linear_f32(x, weight, weight_scale, threshold=0.0, bias=None) -> np.ndarray:
       y = y + o (when there is an outlier column); y = y + bias[n]."""
     x = np.asarray(x, F32)
     scb = np.asarray(weight_scale, F32)
-    q, row_stats, cols = quantize_rows(x, threshold)
+    q, row_stats, cols = quantize_rows(x, threshold, dtype)
     acc = int_dot(q, weight)
     assert np.abs(acc).max(initial=0) < 2**31
     with np.errstate(over="ignore", invalid="ignore"):

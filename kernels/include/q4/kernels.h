@@ -141,13 +141,16 @@ struct Gemm4bitGradInputParams {
   DType grad_input_dtype = kF32;
 };
 
-// LLM.int8 row-wise ("vector-wise") quantization of x [rows, cols]:
-//   outlier elements: |x| >= threshold (threshold > 0); outlier columns: any
-//   outlier element in the column (written to outlier_cols as 0/1 if given).
+// LLM.int8 row-wise ("vector-wise") quantization of x [rows, cols], bit-exact
+// with the reference implementation:
+//   outlier elements: |x| >= threshold (threshold > 0), compared after
+//   rounding threshold to x's dtype; outlier columns: any outlier element in
+//   the column (written to outlier_cols as 0/1 if given).
 //   row_stats[r] = max |x[r, c]| over the non-outlier elements of row r;
-//   q[r, c] = round_half_even(x[r, c] * (127 / row_stats[r])) as int8, 0 for
-//   outlier elements, for every element of an outlier column when rows > 1,
-//   and for a row whose row_stats is 0.
+//   q[r, c] = round_half_even(x[r, c] * fp32(fp32(1 / row_stats[r]) * 127)),
+//   clamped to [-127, 127], 0 where the product is NaN, for outlier elements,
+//   for every element of an outlier column when rows > 1, and for a row whose
+//   row_stats is 0.
 struct Int8QuantizeRowsParams {
   const void* x = nullptr;  // [rows, cols]
   DType x_dtype = kF32;
