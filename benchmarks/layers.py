@@ -43,6 +43,7 @@ def main() -> dict:
     }
     dense = torch.nn.Linear(K, N)
     dense.weight.data = w.clone()
+    dense.weight.requires_grad_(False)  # a frozen base, like the quantized ones: train step = dX and dbias
     results = {}
     for name, (ours, theirs) in layers.items():
         for m in (1, 32):
