@@ -2,7 +2,8 @@
 // bodies as the CPU handlers (xla_ffi_batched.h), with the platform stream as
 // the first binding and each item enqueued by q4::cuda::<op>(params, stream).
 // Every buffer is device memory and nothing is read back on the host: the
-// nested offset of dequantize_blockwise is read by the kernel.
+// nested offsets of dequantize_blockwise and of the fused matmuls are read by
+// the kernels.
 #include <cuda_runtime.h>
 
 #include "c_api.h"
@@ -52,6 +53,37 @@ ffi::Error CudaQuantizeNested(cudaStream_t stream, ffi::Buffer<ffi::F32> absmax,
                                  [&](const QuantizeNestedParams& p) { return cuda::quantize_nested(p, stream); });
 }
 
+ffi::Error CudaGemm4bit(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                        ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
+                        int64_t nested) {
+  return gemm_4bit_batched(x, packed, absmax, nested_absmax, nested_offset, bias, out, n, k, blocksize, quant_type,
+                           nested, [&](const Gemm4bitParams& p) { return cuda::gemm_4bit(p, stream); });
+}
+
+ffi::Error CudaGemm4bitGradInput(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
+                                 ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
+                                 ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
+                                 int64_t k, int64_t blocksize, int64_t quant_type, int64_t nested) {
+  return gemm_4bit_grad_input_batched(
+      grad_out, packed, absmax, nested_absmax, nested_offset, grad_input, n, k, blocksize, quant_type, nested,
+      [&](const Gemm4bitGradInputParams& p) { return cuda::gemm_4bit_grad_input(p, stream); });
+}
+
+ffi::Error CudaInt8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight,
+                          ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n,
+                          int64_t k, float threshold) {
+  return int8_linear_batched(x, weight, scale, bias, out, n, k, threshold,
+                             [&](const Int8LinearParams& p) { return cuda::int8_linear(p, stream); });
+}
+
+ffi::Error CudaInt8GradInput(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight,
+                             ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
+                             int64_t k) {
+  return int8_grad_input_batched(grad_out, weight, scale, grad_input, n, k,
+                                 [&](const Int8GradInputParams& p) { return cuda::int8_grad_input(p, stream); });
+}
+
 }  // namespace
 }  // namespace xla_bind
 }  // namespace q4
@@ -73,3 +105,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_dequantize_blockwise, xb::CudaDequanti
 Q4_FFI_HANDLER(q4_ffi_cuda_quantize_nested)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_quantize_nested, xb::CudaQuantizeNested,
                               xb::bind_quantize_nested(Q4_CUDA_BIND()));
+Q4_FFI_HANDLER(q4_ffi_cuda_gemm_4bit)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_gemm_4bit, xb::CudaGemm4bit, xb::bind_gemm_4bit(Q4_CUDA_BIND()));
+Q4_FFI_HANDLER(q4_ffi_cuda_gemm_4bit_grad_input)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_gemm_4bit_grad_input, xb::CudaGemm4bitGradInput,
+                              xb::bind_gemm_4bit_grad_input(Q4_CUDA_BIND()));
+Q4_FFI_HANDLER(q4_ffi_cuda_int8_linear)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_linear, xb::CudaInt8Linear, xb::bind_int8_linear(Q4_CUDA_BIND()));
+Q4_FFI_HANDLER(q4_ffi_cuda_int8_grad_input)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_grad_input, xb::CudaInt8GradInput,
+                              xb::bind_int8_grad_input(Q4_CUDA_BIND()));

@@ -115,6 +115,11 @@ CUDA_OPS = (
     "quantize_blockwise",
     "dequantize_blockwise",
     "quantize_nested",
+    "gemm_4bit",
+    "gemm_4bit_grad_input",
+    "int8_quantize_rows",
+    "int8_linear",
+    "int8_grad_input",
 )
 
 _CUDA_SIGNATURES = {
