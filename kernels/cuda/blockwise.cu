@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common.cuh"
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
@@ -22,26 +23,9 @@ namespace cuda {
 
 namespace {
 
-constexpr int kWarpsPerCta = 8;        // quantize: one warp per quantization block
-constexpr int kThreads = 256;          // dequantize: one thread per element
-constexpr int kMeanThreads = 1024;     // nested mean: a single CTA
-constexpr int64_t kMaxGrid = 1 << 20;  // kernels loop grid-stride beyond this
-
-struct CodeTable {
-  float v[dynamic8::kCodes];
-};
-constexpr CodeTable dynamic8_table() {
-  CodeTable t{};
-  for (int i = 0; i < dynamic8::kCodes; ++i) t.v[i] = dynamic8::value(i);
-  return t;
-}
-__constant__ CodeTable kDynamic8 = dynamic8_table();
-
-Status launch_status(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return {kInternal, std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(e)};
-}
+constexpr int kWarpsPerCta = 8;     // quantize: one warp per quantization block
+constexpr int kThreads = 256;       // dequantize: one thread per element
+constexpr int kMeanThreads = 1024;  // nested mean: a single CTA
 
 int log2_of(int64_t pow2) { return __builtin_ctzll(static_cast<unsigned long long>(pow2)); }
 
@@ -155,7 +139,7 @@ Status quantize_blockwise(const QuantizeBlockwiseParams& p, void* stream) {
   // book still yields in-range indices); the front ends pass sorted books.
   Status s = validate(p);
   if (!s.ok()) return s;
-  const int grid = int(std::min(ceil_div(p.absmax_size, kWarpsPerCta), kMaxGrid));
+  const int grid = int(std::min(ceil_div(p.absmax_size, kWarpsPerCta), kMaxGridX));
   Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
     quantize_8bit_kernel<T><<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const T*>(p.x), nullptr, p.n, p.blocksize, p.absmax_size, p.code, p.codes, p.absmax);
@@ -166,7 +150,7 @@ Status quantize_blockwise(const QuantizeBlockwiseParams& p, void* stream) {
 Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, const float* offset, void* stream) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const int grid = int(std::min(ceil_div(p.n, kThreads), kMaxGrid));
+  const int grid = int(std::min(ceil_div(p.n, kThreads), kMaxGridX));
   Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
     dequantize_8bit_kernel<T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
         p.codes, p.absmax, p.n, log2_of(p.blocksize), p.code, p.add_offset, p.offset, offset, static_cast<T*>(p.out));
@@ -186,7 +170,7 @@ Status quantize_nested(const QuantizeNestedParams& p, void* stream) {
   s = launch_status("quantize_nested (mean)");
   if (!s.ok()) return s;
   // stream order: the quantize reads the offset the mean kernel wrote
-  const int grid = int(std::min(ceil_div(p.absmax2_size, kWarpsPerCta), kMaxGrid));
+  const int grid = int(std::min(ceil_div(p.absmax2_size, kWarpsPerCta), kMaxGridX));
   quantize_8bit_kernel<float><<<grid, kWarpsPerCta * 32, 0, st>>>(p.absmax, p.offset, p.n_blocks, kNestedBlocksize,
                                                                   p.absmax2_size, nullptr, p.codes, p.absmax2);
   return launch_status("quantize_nested");

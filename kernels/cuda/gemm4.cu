@@ -34,6 +34,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common.cuh"
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
@@ -44,28 +45,16 @@ namespace {
 
 constexpr int kWarps = 8;  // every kernel here runs 8 warps per CTA
 constexpr int kThreads = kWarps * 32;
-constexpr int64_t kGemvMaxRows = 8;              // largest m served by the gemv paths
-constexpr int kTile = 64;                        // tiled: output tile edge
-constexpr int kStep = 32;                        // tiled: reduction elements per shared-memory tile
-constexpr int kGradCols = 8 * 32;                // grad gemv: dX columns per CTA (8 per lane)
-constexpr int64_t kMinSplitRows = 8 * kWarps;    // grad gemv: fewest W rows per CTA
-constexpr int64_t kMaxGridX = int64_t(1) << 20;  // kernels loop grid-stride beyond this
-constexpr int64_t kMaxGridY = 65535;
+constexpr int64_t kGemvMaxRows = 8;            // largest m served by the gemv paths
+constexpr int kTile = 64;                      // tiled: output tile edge
+constexpr int kStep = 32;                      // tiled: reduction elements per shared-memory tile
+constexpr int kGradCols = 8 * 32;              // grad gemv: dX columns per CTA (8 per lane)
+constexpr int64_t kMinSplitRows = 8 * kWarps;  // grad gemv: fewest W rows per CTA
 constexpr int kNestedShift = 8;
 static_assert((int64_t(1) << kNestedShift) == kNestedBlocksize, "nested block = 256 absmax values");
 static_assert(kMinBlocksize % 32 == 0, "a 32-element gemv chunk lies in one block");
 static_assert(kTile * kStep / 8 == kThreads, "tiled forward: one 8-nibble word per thread per W tile");
 static_assert(kStep * kTile / 8 == kThreads, "tiled backward: one 8-nibble word per thread per W tile");
-
-struct CodeTable {
-  float v[dynamic8::kCodes];
-};
-constexpr CodeTable dynamic8_table() {
-  CodeTable t{};
-  for (int i = 0; i < dynamic8::kCodes; ++i) t.v[i] = dynamic8::value(i);
-  return t;
-}
-__constant__ CodeTable kDynamic8 = dynamic8_table();
 
 // The block scales as a kernel receives them (device pointers). Plain:
 // absmax. Nested: codes, absmax2, book (null = dynamic map) and the offset
@@ -127,28 +116,6 @@ __device__ __forceinline__ int nibble8(uint32_t word, int e) {
 __device__ __forceinline__ int nibble_at(const uint8_t* packed, int64_t f) {
   const uint8_t byte = __ldg(packed + (f >> 1));
   return (f & 1) ? unpack_odd(byte) : unpack_even(byte);
-}
-
-__device__ __forceinline__ float load_any(const void* p, DType d, int64_t i) {
-  switch (d) {
-    case kF32:
-      return static_cast<const float*>(p)[i];
-    case kF16:
-      return Elem<f16_t>::load(static_cast<const f16_t*>(p), i);
-    default:
-      return Elem<bf16_t>::load(static_cast<const bf16_t*>(p), i);
-  }
-}
-
-__device__ __forceinline__ void store_any(void* p, DType d, int64_t i, float v) {
-  switch (d) {
-    case kF32:
-      return Elem<float>::store(static_cast<float*>(p), i, v);
-    case kF16:
-      return Elem<f16_t>::store(static_cast<f16_t*>(p), i, v);
-    default:
-      return Elem<bf16_t>::store(static_cast<bf16_t*>(p), i, v);
-  }
 }
 
 // 8 consecutive elements at a 16-byte aligned address, widened to fp32.
@@ -456,12 +423,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ------------------------------------------------------------------ host
-
-Status launch_status(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return {kInternal, std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(e)};
-}
 
 int log2_of(int64_t pow2) { return __builtin_ctzll(static_cast<unsigned long long>(pow2)); }
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common.cuh"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
@@ -40,30 +41,6 @@ constexpr int kStepBytes = 64;         // linear: k bytes per shared-memory step
 constexpr int kStepWords = kStepBytes / 4;
 constexpr int kStep = 32;  // grad: W rows per shared-memory step
 constexpr int64_t kOutlierRowsPerCta = 256;
-constexpr int64_t kMaxGridX = int64_t(1) << 20;
-constexpr int64_t kMaxGridY = 65535;
-
-__device__ __forceinline__ float load_any(const void* p, DType d, int64_t i) {
-  switch (d) {
-    case kF32:
-      return static_cast<const float*>(p)[i];
-    case kF16:
-      return Elem<f16_t>::load(static_cast<const f16_t*>(p), i);
-    default:
-      return Elem<bf16_t>::load(static_cast<const bf16_t*>(p), i);
-  }
-}
-
-__device__ __forceinline__ void store_any(void* p, DType d, int64_t i, float v) {
-  switch (d) {
-    case kF32:
-      return Elem<float>::store(static_cast<float*>(p), i, v);
-    case kF16:
-      return Elem<f16_t>::store(static_cast<f16_t*>(p), i, v);
-    default:
-      return Elem<bf16_t>::store(static_cast<bf16_t*>(p), i, v);
-  }
-}
 
 __device__ __forceinline__ bool is_outlier(float a, float threshold) { return threshold > 0.0f && a >= threshold; }
 
@@ -297,12 +274,6 @@ __global__ void __launch_bounds__(kThreads) int8_grad_kernel(const T* dy, const 
 }
 
 // ------------------------------------------------------------ host
-
-Status launch_status(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return {kInternal, std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(e)};
-}
 
 Status cuda_status(cudaError_t e, const char* op, const char* what) {
   if (e == cudaSuccess) return Status::Ok();

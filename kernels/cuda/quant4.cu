@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common.cuh"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
@@ -20,15 +21,8 @@ namespace q4 {
 namespace cuda {
 namespace {
 
-constexpr int kWarpsPerCta = 8;        // quantize: one warp per quantization block
-constexpr int kThreads = 256;          // dequantize: one thread per packed byte
-constexpr int64_t kMaxGrid = 1 << 20;  // kernels loop grid-stride beyond this
-
-Status launch_status(const char* op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return Status::Ok();
-  return {kInternal, std::string(op) + ": CUDA launch failed: " + cudaGetErrorString(e)};
-}
+constexpr int kWarpsPerCta = 8;  // quantize: one warp per quantization block
+constexpr int kThreads = 256;    // dequantize: one thread per packed byte
 
 // max |x[i]| over i < len, reduced across the warp; NaN if any element is NaN
 // (the running max itself never becomes NaN: `a > m` is false for NaN a).
@@ -100,7 +94,7 @@ int log2_of(int64_t pow2) { return __builtin_ctzll(static_cast<unsigned long lon
 Status quantize_4bit(const Quantize4bitParams& p, void* stream) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const int grid = int(std::min(ceil_div(p.absmax_size, kWarpsPerCta), kMaxGrid));
+  const int grid = int(std::min(ceil_div(p.absmax_size, kWarpsPerCta), kMaxGridX));
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
     Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
       quantize_4bit_kernel<QT, T><<<grid, kWarpsPerCta * 32, 0, static_cast<cudaStream_t>(stream)>>>(
@@ -113,7 +107,7 @@ Status quantize_4bit(const Quantize4bitParams& p, void* stream) {
 Status dequantize_4bit(const Dequantize4bitParams& p, void* stream) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const int grid = int(std::min(ceil_div(p.packed_size, kThreads), kMaxGrid));
+  const int grid = int(std::min(ceil_div(p.packed_size, kThreads), kMaxGridX));
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
     Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
       dequantize_4bit_kernel<QT, T><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(

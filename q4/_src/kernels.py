@@ -339,12 +339,7 @@ def gemm_4bit(x: np.ndarray, packed: np.ndarray, state, bias: np.ndarray | None 
     args, keep = _state_scales(state)
     name = _out_name(x.dtype, out_dtype)
     out = np.empty((x.shape[0], n), _np_dtype(name))
-    b, bcode = None, 0
-    if bias is not None:
-        bias = np.ascontiguousarray(bias)
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-        b, bcode = bias.ctypes.data, formats.DTYPE_CODES[dtype_name(bias.dtype)]
+    bias, b, bcode = _bias_arg(bias, n)
     gemm_4bit_ptr(
         x.ctypes.data,
         formats.DTYPE_CODES[dtype_name(x.dtype)],
@@ -389,6 +384,16 @@ def gemm_4bit_grad_input(grad_out: np.ndarray, packed: np.ndarray, state, out_dt
     )
     del keep
     return out
+
+
+def _bias_arg(bias, n: int):
+    """(contiguous bias kept alive, pointer or None, dtype code) for a length-n bias."""
+    if bias is None:
+        return None, None, 0
+    bias = np.ascontiguousarray(bias)
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    return bias, bias.ctypes.data, formats.DTYPE_CODES[dtype_name(bias.dtype)]
 
 
 def _out_name(default_dtype, out_dtype) -> str:
@@ -451,12 +456,7 @@ def int8_linear(x, weight, weight_scale, threshold: float = 0.0, bias=None, out_
         raise ValueError(f"x has {x.shape[1]} features, the weight expects {k}")
     name = _out_name(x.dtype, out_dtype)
     out = np.empty((x.shape[0], n), _np_dtype(name))
-    b, bcode = None, 0
-    if bias is not None:
-        bias = np.ascontiguousarray(bias)
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-        b, bcode = bias.ctypes.data, formats.DTYPE_CODES[dtype_name(bias.dtype)]
+    bias, b, bcode = _bias_arg(bias, n)
     int8_linear_ptr(
         x.ctypes.data,
         formats.DTYPE_CODES[dtype_name(x.dtype)],

@@ -243,6 +243,16 @@ def _(absmax):
 # ------------------------------------------------------------ fused matmuls
 
 
+def _bias_arg(bias: torch.Tensor | None, n: int):
+    """(contiguous bias kept alive, pointer or None, dtype code) for a length-n bias."""
+    if bias is None:
+        return None, None, 0
+    if bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    bias = bias.contiguous()
+    return bias, bias.data_ptr(), dtype_code(bias.dtype, "bias")
+
+
 def _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type):
     """Validated C ABI weight arguments (scales tuple) for a 4-bit W [n, k]."""
     formats.check_blocksize(blocksize)
@@ -300,12 +310,7 @@ def gemm_4bit(
     packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
     scales = _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
-    b, bcode = None, 0
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-        bias = bias.contiguous()
-        b, bcode = bias.data_ptr(), dtype_code(bias.dtype, "bias")
+    bias, b, bcode = _bias_arg(bias, n)
     x2 = x.contiguous()
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     K.gemm_4bit_ptr(
@@ -465,12 +470,7 @@ def int8_linear(
         )
     if x.numel() == 0:
         raise ValueError(f"empty input (shape {tuple(x.shape)})")
-    b, bcode = None, 0
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-        bias = bias.contiguous()
-        b, bcode = bias.data_ptr(), dtype_code(bias.dtype, "bias")
+    bias, b, bcode = _bias_arg(bias, n)
     x2, weight, weight_scale = x.contiguous(), weight.contiguous(), weight_scale.contiguous()
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
     K.int8_linear_ptr(
