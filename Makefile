@@ -23,7 +23,7 @@ install: $(VENV)/.build-deps
 lint: install
 	$(BIN)/ruff check q4 q4torch q4jax tests benchmarks examples
 	$(BIN)/ruff format --check q4 q4torch q4jax tests benchmarks examples
-	$(BIN)/clang-format --dry-run --Werror $(shell git ls-files 'kernels/*.h' 'kernels/*.cc' 'kernels/*.cu')
+	$(BIN)/clang-format --dry-run --Werror $(shell git ls-files 'kernels/*.h' 'kernels/*.cc' 'kernels/*.cu' 'kernels/*.cuh')
 
 bazel: install
 	scripts/ensure_bazel.sh
