@@ -99,7 +99,8 @@ def main() -> dict:
     layer8 = layer8.to("cpu")
     x = torch.randn(32, K)
     layer8(x)
-    cb, scb = layer8.weight.data, layer8.weight.SCB
+    sd8 = layer8.state_dict()  # bitsandbytes int8 weight (CB) and row scales (SCB)
+    cb, scb = sd8["weight"], sd8["SCB"]
     cbj, scbj = jnp.asarray(cb.numpy()), jnp.asarray(scb.numpy())
     jit_8 = jax.jit(lambda a: q4jax.matmul_8bit(a, cbj, scbj, threshold=6.0))
     xj = jnp.asarray(x.numpy())

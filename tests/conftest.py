@@ -37,12 +37,26 @@ def device(request):
     return request.param
 
 
+def _use_isa(name):
+    supported = {"scalar": True, "avx2": q4.cpu_has_avx2(), "avx512": q4.cpu_has_avx512()}
+    if not supported[name]:
+        pytest.skip(f"processor lacks {name}")
+    before = q4.cpu_isa()
+    q4.set_cpu_isa(name)
+    return before
+
+
 @pytest.fixture(params=["avx2", "scalar"])
 def isa(request):
-    """Run a test once per CPU path (AVX2 skipped on processors without it)."""
-    if request.param == "avx2" and not q4.cpu_has_avx2():
-        pytest.skip("processor lacks AVX2")
-    before = q4.cpu_isa()
-    q4.set_cpu_isa(request.param)
+    """Run a test once per CPU path (a path the processor lacks is skipped)."""
+    before = _use_isa(request.param)
+    yield request.param
+    q4.set_cpu_isa(before)
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa_all(request):
+    """As `isa`, plus the AVX-512 path (only the batch-1 4-bit gemv differs there)."""
+    before = _use_isa(request.param)
     yield request.param
     q4.set_cpu_isa(before)

@@ -26,6 +26,7 @@ Q4_API int64_t q4_nested_blocksize(void);
 
 Q4_API int32_t q4_cpu_isa(void);
 Q4_API int32_t q4_cpu_has_avx2(void);
+Q4_API int32_t q4_cpu_has_avx512(void);
 Q4_API int32_t q4_set_cpu_isa(int32_t isa);
 Q4_API int32_t q4_cpu_num_threads(void);
 Q4_API void q4_set_cpu_num_threads(int32_t n);

@@ -657,7 +657,7 @@ Status int8_quantize_rows(const Int8QuantizeRowsParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
   const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
-  const bool simd = cpu_isa() == kIsaAvx2;
+  const bool simd = cpu_isa() >= kIsaAvx2;
   std::vector<uint8_t> local;
   uint8_t* flags = p.outlier_cols;
   if (flags == nullptr) {
@@ -677,7 +677,7 @@ Status int8_linear(const Int8LinearParams& p) {
   if (p.k > kMaxInt8K)
     return Status::Invalid("int8 linear: k = " + std::to_string(p.k) + " overflows the int32 accumulator (max " +
                            std::to_string(kMaxInt8K) + ")");
-  const bool simd = cpu_isa() == kIsaAvx2;
+  const bool simd = cpu_isa() >= kIsaAvx2;
   const int64_t m = p.m, n = p.n, k = p.k, kp = ceil_div(k, 32) * 32;
 
   std::vector<int8_t> xq(static_cast<size_t>(m * kp));
@@ -726,7 +726,7 @@ Status int8_grad_input(const Int8GradInputParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
   const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
-  const bool simd = cpu_isa() == kIsaAvx2;
+  const bool simd = cpu_isa() >= kIsaAvx2;
   const int64_t m = p.m, n = p.n, k = p.k;
   std::vector<float> col_scale(static_cast<size_t>(n));  // fp32(SCB[n] * kInv127)
   for (int64_t j = 0; j < n; ++j) col_scale[size_t(j)] = p.weight_scale[j] * kInv127;

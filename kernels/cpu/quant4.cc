@@ -228,7 +228,7 @@ void dequantize_range(const Dequantize4bitParams& p, int64_t b0, int64_t b1, boo
 Status quantize_4bit(const Quantize4bitParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const bool simd = cpu_isa() == kIsaAvx2;
+  const bool simd = cpu_isa() >= kIsaAvx2;
   const int64_t blocks = p.absmax_size;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / p.blocksize);
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
@@ -242,7 +242,7 @@ Status quantize_4bit(const Quantize4bitParams& p) {
 Status dequantize_4bit(const Dequantize4bitParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const bool simd = cpu_isa() == kIsaAvx2;
+  const bool simd = cpu_isa() >= kIsaAvx2;
   const int64_t blocks = p.absmax_size;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / p.blocksize);
   hint_fresh_output(p.out, p.n * (p.out_dtype == kF32 ? 4 : 2));

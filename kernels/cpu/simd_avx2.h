@@ -10,6 +10,7 @@
 #include "q4/common.h"
 
 #define Q4_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
+#define Q4_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline
 
 namespace q4 {
 namespace avx2 {

@@ -51,6 +51,7 @@ _SIGNATURES = {
     "q4_nested_blocksize": (c_int64, []),
     "q4_cpu_isa": (c_int32, []),
     "q4_cpu_has_avx2": (c_int32, []),
+    "q4_cpu_has_avx512": (c_int32, []),
     "q4_set_cpu_isa": (c_int32, [c_int32]),
     "q4_cpu_num_threads": (c_int32, []),
     "q4_set_cpu_num_threads": (None, [c_int32]),
@@ -200,16 +201,16 @@ def cuda_device_count() -> int:
     return int(lib().q4_cuda_device_count()) if has_cuda() else 0
 
 
-ISA_NAMES = {0: "scalar", 1: "avx2"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU kernels use now: 'scalar' or 'avx2'."""
+    """The instruction set the CPU kernels use now: 'scalar', 'avx2' or 'avx512'."""
     return ISA_NAMES[lib().q4_cpu_isa()]
 
 
 def set_cpu_isa(isa: str) -> None:
-    """Force the CPU kernels onto 'scalar' or 'avx2' (also: env Q4_ISA=scalar)."""
+    """Force the CPU kernels onto 'scalar', 'avx2' or 'avx512' (also: env Q4_ISA)."""
     codes = {v: k for k, v in ISA_NAMES.items()}
     if isa not in codes:
         raise ValueError(f"isa must be one of {sorted(codes)}, got {isa!r}")
@@ -218,6 +219,10 @@ def set_cpu_isa(isa: str) -> None:
 
 def cpu_has_avx2() -> bool:
     return bool(lib().q4_cpu_has_avx2())
+
+
+def cpu_has_avx512() -> bool:
+    return bool(lib().q4_cpu_has_avx512())
 
 
 def num_threads() -> int:

@@ -9,7 +9,17 @@ from reference.matmul import check_against_baseline, rel_err
 
 import q4
 
-SHAPES = [(1, 64, 64), (2, 96, 160), (7, 33, 72), (64, 130, 264), (300, 40, 136), (5, 7, 9), (3, 17, 100), (1, 31, 40)]
+SHAPES = [
+    (1, 64, 64),
+    (1, 33, 128),
+    (2, 96, 160),
+    (7, 33, 72),
+    (64, 130, 264),
+    (300, 40, 136),
+    (5, 7, 9),
+    (3, 17, 100),
+    (1, 31, 40),
+]
 
 
 def _state(rng, n, k, blocksize, quant_type, nested, scale=1.0):
@@ -27,7 +37,7 @@ def _state(rng, n, k, blocksize, quant_type, nested, scale=1.0):
 
 @pytest.mark.parametrize("dtype", inputs.DTYPES)
 @pytest.mark.parametrize("quant_type, nested, blocksize", [("nf4", False, 64), ("nf4", True, 32), ("fp4", True, 128)])
-def test_gemm_and_grad_match_reference(isa, rng, dtype, quant_type, nested, blocksize):
+def test_gemm_and_grad_match_reference(isa_all, rng, dtype, quant_type, nested, blocksize):
     for m, n, k in SHAPES:
         packed, state, w = _state(rng, n, k, blocksize, quant_type, nested)
         x = inputs.make(rng, (m, k), dtype)
@@ -50,7 +60,7 @@ def test_bias_is_added_in_fp32(rng):
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_identity_weight_is_exact(isa, rng, quant_type):
+def test_identity_weight_is_exact(isa_all, rng, quant_type):
     for m, k in [(1, 64), (4, 128), (13, 256)]:
         packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, quant_type)
         state = q4.QuantState(quant_type, 64, (k, k), "float32", absmax)
@@ -59,7 +69,7 @@ def test_identity_weight_is_exact(isa, rng, quant_type):
         assert np.array_equal(q4.gemm_4bit_grad_input(x, packed, state), x)
 
 
-def test_single_nonzero_weight_is_exact(isa, rng):
+def test_single_nonzero_weight_is_exact(isa_all, rng):
     n, k = 24, 200  # k % blocksize != 0: blocks straddle rows
     w = np.zeros((n, k), np.float32)
     w[5, 77] = -3.25
@@ -78,26 +88,30 @@ def test_single_nonzero_weight_is_exact(isa, rng):
         assert np.array_equal(dx, want_dx)
 
 
-def test_scalar_and_avx2_agree(rng):
-    if not q4.cpu_has_avx2():
-        pytest.skip("processor lacks AVX2")
+def test_cpu_paths_agree(rng):
+    """scalar, AVX2 and (where present) AVX-512 results: fp32 sums of the same
+    products in different orders, within a few ulp of the sum of magnitudes."""
+    paths = ["scalar"] + (["avx2"] if q4.cpu_has_avx2() else []) + (["avx512"] if q4.cpu_has_avx512() else [])
+    if len(paths) == 1:
+        pytest.skip("processor has only the scalar path")
     packed, state, w = _state(rng, 200, 256, 64, "nf4", True)
+    before = q4.cpu_isa()
     for m in (1, 3, 32):
         x = inputs.make(rng, (m, 256), "float32")
         g = inputs.make(rng, (m, 200), "float32")
         out = {}
-        for isa in ("scalar", "avx2"):
+        for isa in paths:
             q4.set_cpu_isa(isa)
             try:
                 out[isa] = (q4.gemm_4bit(x, packed, state), q4.gemm_4bit_grad_input(g, packed, state))
             finally:
-                q4.set_cpu_isa("avx2")
-        # both are fp32 sums of the same products in different orders: within a few ulp of the sum of magnitudes
-        for a, b, mags in (
-            (out["scalar"][0], out["avx2"][0], np.abs(x) @ np.abs(w.T)),
-            (out["scalar"][1], out["avx2"][1], np.abs(g) @ np.abs(w)),
-        ):
-            assert np.all(np.abs(a - b) <= 8 * np.finfo(np.float32).eps * mags + 1e-30)
+                q4.set_cpu_isa(before)
+        for isa in paths[1:]:
+            for a, b, mags in (
+                (out["scalar"][0], out[isa][0], np.abs(x) @ np.abs(w.T)),
+                (out["scalar"][1], out[isa][1], np.abs(g) @ np.abs(w)),
+            ):
+                assert np.all(np.abs(a - b) <= 8 * np.finfo(np.float32).eps * mags + 1e-30), (isa, m)
 
 
 def test_threads_agree(rng):

@@ -239,10 +239,13 @@ Status validate(const QuantizeNestedParams& p);
 Status validate_code_book(const float* code);
 
 // Runtime configuration of the CPU kernels.
-enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1 };
-Isa cpu_isa();                    // active instruction set
-bool cpu_has_avx2();              // what the processor supports
-Status set_cpu_isa(int32_t isa);  // force one (scalar always; avx2 if supported)
+// Ordered: a level implies the ones below it. kIsaAvx512 (F, BW, VL) adds an
+// AVX-512 batch-1 4-bit gemv; every other kernel uses its AVX2 path there.
+enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+Isa cpu_isa();        // active instruction set
+bool cpu_has_avx2();  // what the processor supports
+bool cpu_has_avx512();
+Status set_cpu_isa(int32_t isa);  // force one (scalar always; others if supported)
 int cpu_num_threads();
 void set_cpu_num_threads(int n);  // n <= 0: back to the default
 
