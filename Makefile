@@ -38,7 +38,11 @@ demo: install
 	$(BIN)/python examples/quickstart.py
 
 bench: install
+	$(BIN)/pip install -q "qwix==0.1.8"
 	$(BIN)/python benchmarks/kernels.py
+	$(BIN)/python benchmarks/matmul.py
+	$(BIN)/python benchmarks/layers.py
+	$(BIN)/python benchmarks/jax_layers.py
 
 clean:
 	rm -rf build $(VENV)
