@@ -1,0 +1,644 @@
+"""flax.nnx layers on the shared kernels: Linear4bit, Linear8bit, quantize_model,
+and state_dict / load_state_dict in the q4torch / bitsandbytes checkpoint format.
+
+Layout follows PyTorch / bitsandbytes: the quantized matrix is
+W [out_features, in_features] (nnx.Linear's kernel [in, out] transposed), so a
+Linear4bit holds the same packed bytes, absmax and nested statistics as
+q4torch's Linear4bit for the same weight, and a Linear8bit the same int8 CB /
+fp32 SCB as q4torch's Linear8bitLt (weight rounded to fp16 before quantizing,
+as bitsandbytes does).
+
+Quantization state lives in QuantStateVar (not nnx.Param): ``nnx.grad`` and
+optax see only the trainable parameters (bias, adapters), and
+``nnx.split(model, QuantStateVar, ...)`` separates the frozen state.
+
+Copying: every array lives in a Variable, so ``nnx.clone`` / ``copy.deepcopy``
+copy it through the graph's memo (shared state stays shared inside the copy and
+nothing points back at the original). Reload: ``load_state_dict`` validates
+everything before changing anything, copies the caller's arrays, and replaces
+each layer's state wholesale; jax arrays are immutable, so no cache can go
+stale.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx import graphlib
+
+import q4
+from q4._src import formats
+from q4._src.quant_state import QuantState as NpQuantState
+from q4._src.quant_state import QuantStateError
+from q4jax._src import ffi
+from q4jax._src.matmul import matmul_4bit, matmul_8bit
+from q4jax._src.quant import QuantState, quantize_4bit
+
+logger = logging.getLogger("q4jax")
+
+_JSON_PREFIX = "quant_state.bitsandbytes__"
+_FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# nnx.Linear's defaults
+_DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+_DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
+
+
+class QuantStateVar(nnx.Variable):
+    """Frozen quantization state: packed 4-bit bytes, a q4jax.QuantState
+    (absmax / nested statistics), int8 CB and fp32 SCB. Not an nnx.Param, so it
+    is never differentiated or updated by an optimizer."""
+
+
+def _float_dtype_name(dtype, what: str) -> str:
+    try:
+        name = ffi.dtype_name(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be float32, float16 or bfloat16, got {dtype}") from e
+    return name
+
+
+def _features(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _host_copy(a) -> np.ndarray:
+    """A numpy copy the caller cannot reach (jnp.asarray may alias numpy memory on CPU)."""
+    return np.array(a, copy=True)
+
+
+def _device_copy(a, dtype=None) -> jax.Array:
+    a = np.array(a, dtype=dtype, copy=True)
+    return jnp.asarray(a)
+
+
+class _QuantLinear(nnx.Module):
+    """Shared constructor logic: initialise a float kernel like nnx.Linear."""
+
+    def _init_common(self, in_features, out_features, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs):
+        self.in_features = _features(in_features, "in_features")
+        self.out_features = _features(out_features, "out_features")
+        self.use_bias = bool(use_bias)
+        self.dtype = None if dtype is None else jnp.dtype(dtype)
+        if self.dtype is not None:
+            _float_dtype_name(self.dtype, "dtype")
+        _float_dtype_name(param_dtype, "param_dtype")
+        if not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
+        kernel = kernel_init(rngs.params(), (self.in_features, self.out_features), param_dtype)
+        if tuple(kernel.shape) != (self.in_features, self.out_features):
+            raise ValueError(
+                f"kernel_init returned shape {tuple(kernel.shape)}, expected {(self.in_features, self.out_features)}"
+            )
+        bias = bias_init(rngs.params(), (self.out_features,), param_dtype) if self.use_bias else None
+        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+        return kernel
+
+    def _check_x(self, x) -> str:
+        if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+            raise TypeError(f"input must be an array, got {type(x).__name__}")
+        name = _float_dtype_name(x.dtype, "input dtype")
+        if x.ndim < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"input has {x.shape[-1] if x.ndim else 0} features (shape {tuple(x.shape)}), "
+                f"this layer expects in_features={self.in_features}"
+            )
+        return name
+
+
+class Linear4bit(_QuantLinear):
+    """A linear layer with a 4-bit (NF4 / FP4) weight, y = x . W^T + b.
+
+    W [out_features, in_features] is quantized blockwise (``blocksize``,
+    optionally nested absmax with ``compress_statistics``); the packed bytes
+    equal q4torch's / bitsandbytes' for the same W. The forward runs the fused
+    kernel (``q4jax.matmul_4bit``) in ``compute_dtype`` (default: ``dtype``, else
+    the input's dtype) and returns ``dtype`` (default: the input's dtype);
+    gradients flow to the input and the bias, never to the quantized weight.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init: Callable = _DEFAULT_KERNEL_INIT,
+        bias_init: Callable = _DEFAULT_BIAS_INIT,
+        quant_type: str = "nf4",
+        blocksize: int = 64,
+        compress_statistics: bool = True,
+        compute_dtype=None,
+        rngs: nnx.Rngs,
+    ):
+        formats.check_quant_type(quant_type)
+        self.quant_type = quant_type
+        self.blocksize = formats.check_blocksize(blocksize)
+        self.compress_statistics = bool(compress_statistics)
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        if self.compute_dtype is not None:
+            _float_dtype_name(self.compute_dtype, "compute_dtype")
+        kernel = self._init_common(
+            in_features, out_features, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs
+        )
+        self.weight = QuantStateVar(jnp.zeros((0, 1), jnp.uint8))
+        self.quant_state = QuantStateVar(None)
+        self.set_weight(jnp.asarray(kernel).T)
+
+    def set_weight(self, weight) -> Linear4bit:
+        """Quantize a float W [out_features, in_features] with this layer's
+        settings and replace the packed bytes and state (in place, wholesale)."""
+        weight = jnp.asarray(weight)
+        _float_dtype_name(weight.dtype, "weight dtype")
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight must have shape (out_features, in_features) = {(self.out_features, self.in_features)}, "
+                f"got {tuple(weight.shape)}"
+            )
+        packed, state = quantize_4bit(weight, self.blocksize, self.quant_type, self.compress_statistics)
+        self.weight.set_value(packed)
+        self.quant_state.set_value(state)
+        return self
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nnx.Linear,
+        *,
+        quant_type: str = "nf4",
+        blocksize: int = 64,
+        compress_statistics: bool = True,
+        compute_dtype=None,
+    ) -> Linear4bit:
+        """Quantize an nnx.Linear (its kernel [in, out] becomes W = kernel.T);
+        the bias is copied as a new nnx.Param. The Linear is not modified."""
+        if not isinstance(linear, nnx.Linear):
+            raise TypeError(f"from_linear expects an nnx.Linear, got {type(linear).__name__}")
+        kernel = linear.kernel.get_value()
+        bias = None if linear.bias is None else linear.bias.get_value()
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            use_bias=bias is not None,
+            dtype=linear.dtype,
+            param_dtype=kernel.dtype,
+            kernel_init=lambda key, shape, dtype: kernel,
+            bias_init=lambda key, shape, dtype: bias,
+            quant_type=quant_type,
+            blocksize=blocksize,
+            compress_statistics=compress_statistics,
+            compute_dtype=compute_dtype,
+            rngs=nnx.Rngs(0),
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x_name = self._check_x(x)
+        out = jnp.dtype(x_name) if self.dtype is None else self.dtype
+        compute = out if self.compute_dtype is None else self.compute_dtype
+        # the bias is cast on a copy: the parameter keeps its dtype
+        bias = None if self.bias is None else self.bias.get_value().astype(compute)
+        y = matmul_4bit(x.astype(compute), self.weight.get_value(), self.quant_state.get_value(), bias)
+        return y.astype(out)
+
+    # -- checkpoint entries (keys relative to the layer's prefix)
+
+    def _state_entries(self) -> dict[str, np.ndarray]:
+        out = {"weight": _host_copy(self.weight.get_value())}
+        if self.bias is not None:
+            out["bias"] = _host_copy(self.bias.get_value())
+        for key, value in self.quant_state.get_value().to_numpy().to_dict().items():
+            out["weight." + key] = _host_copy(value)
+        return out
+
+    def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
+        k_w = prefix + "weight"
+        quant_keys = [k for k in d if k.startswith(k_w + ".")]
+        used.update(quant_keys)
+        bias_apply = _plan_bias(self, d, prefix, errs, used)
+        if k_w not in d:
+            errs.append(f"missing key '{k_w}'" + (" (its quantization entries are present)" if quant_keys else ""))
+            return None
+        used.add(k_w)
+        data = np.asarray(d[k_w])
+        if not any(k.startswith(k_w + "." + _JSON_PREFIX) for k in quant_keys):
+            if quant_keys:
+                errs.append(
+                    f"'{k_w}' has quantization entries {sorted(quant_keys)} but no '{k_w}.{_JSON_PREFIX}<nf4|fp4>'"
+                )
+                return None
+            # a float checkpoint: quantize it with this layer's settings
+            if data.dtype.name not in _FLOAT_DTYPES or data.shape != (self.out_features, self.in_features):
+                errs.append(
+                    f"'{k_w}' must be packed 4-bit entries or a float weight of shape "
+                    f"{(self.out_features, self.in_features)}, got {data.dtype} {data.shape}"
+                )
+                return None
+            w = _device_copy(data)
+            return lambda: (self.set_weight(w), bias_apply and bias_apply())
+        try:
+            st = NpQuantState.from_dict({k[len(k_w) + 1 :]: d[k] for k in quant_keys})
+        except (QuantStateError, ValueError, TypeError) as e:
+            errs.append(f"'{k_w}': {e}")
+            return None
+        if tuple(st.shape) != (self.out_features, self.in_features):
+            errs.append(
+                f"'{k_w}' quant_state shape {tuple(st.shape)} does not match this layer's "
+                f"{(self.out_features, self.in_features)}"
+            )
+            return None
+        if data.dtype.kind not in "uif" and data.dtype.name != "bfloat16":
+            errs.append(f"'{k_w}' must hold the packed bytes (uint8), got {data.dtype}")
+            return None
+        packed = np.ascontiguousarray(data).view(np.uint8).reshape(-1, 1)
+        want = formats.packed_bytes(st.numel)
+        if packed.shape[0] != want:
+            errs.append(f"'{k_w}' holds {packed.shape[0]} bytes, its quant_state shape {tuple(st.shape)} needs {want}")
+            return None
+        packed = _device_copy(packed)
+        st = NpQuantState(
+            st.quant_type,
+            st.blocksize,
+            st.shape,
+            st.dtype,
+            _host_copy(st.absmax),
+            None if st.nested_absmax is None else _host_copy(st.nested_absmax),
+            st.nested_offset,
+            st.nested_blocksize,
+        )
+        state = QuantState.from_numpy(st)
+
+        def apply():
+            self.quant_type, self.blocksize, self.compress_statistics = st.quant_type, st.blocksize, st.nested
+            self.weight.set_value(packed)
+            self.quant_state.set_value(state)
+            if bias_apply:
+                bias_apply()
+
+        return apply
+
+
+class Linear8bit(_QuantLinear):
+    """LLM.int8 linear layer: y ~= x . (CB * SCB[:, None] / 127)^T + b.
+
+    CB int8 [out_features, in_features] and SCB fp32 [out_features] equal
+    q4torch's Linear8bitLt / bitsandbytes' for the same weight (W rounded to
+    fp16, then row-wise absmax quantization). The input is quantized row-wise
+    inside the fused kernel; with ``threshold`` > 0 input columns holding any
+    |x| >= threshold are computed in fp32. Output in ``dtype`` (default the
+    input's); gradients flow to the input and the bias.
+
+    Quantization runs on the host (numpy kernels): construct the layer outside
+    ``jit``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init: Callable = _DEFAULT_KERNEL_INIT,
+        bias_init: Callable = _DEFAULT_BIAS_INIT,
+        threshold: float = 0.0,
+        rngs: nnx.Rngs,
+    ):
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        self.threshold = float(threshold)
+        kernel = self._init_common(
+            in_features, out_features, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs
+        )
+        self.weight = QuantStateVar(jnp.zeros((0, 0), jnp.int8))
+        self.SCB = QuantStateVar(jnp.zeros((0,), jnp.float32))
+        self.set_weight(np.asarray(kernel).T)
+
+    def set_weight(self, weight) -> Linear8bit:
+        """Quantize a float W [out_features, in_features] (rounded to fp16 first,
+        as bitsandbytes does) and replace CB / SCB wholesale."""
+        w = np.asarray(weight)
+        _float_dtype_name(w.dtype, "weight dtype")
+        if w.shape != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight must have shape (out_features, in_features) = {(self.out_features, self.in_features)}, "
+                f"got {w.shape}"
+            )
+        with np.errstate(over="ignore"):
+            w16 = np.ascontiguousarray(w.astype(np.float32).astype(np.float16))
+        cb, scb, _ = q4.int8_quantize_rows(w16, 0.0)
+        bad = ~np.isfinite(scb)
+        if bad.any():
+            raise ValueError(
+                f"cannot quantize: weight rows {np.nonzero(bad)[0][:8].tolist()} are not finite after rounding to float16"
+            )
+        self.weight.set_value(jnp.asarray(cb))
+        self.SCB.set_value(jnp.asarray(scb))
+        return self
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, *, threshold: float = 0.0) -> Linear8bit:
+        """Quantize an nnx.Linear (W = kernel.T); the Linear is not modified."""
+        if not isinstance(linear, nnx.Linear):
+            raise TypeError(f"from_linear expects an nnx.Linear, got {type(linear).__name__}")
+        kernel = linear.kernel.get_value()
+        bias = None if linear.bias is None else linear.bias.get_value()
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            use_bias=bias is not None,
+            dtype=linear.dtype,
+            param_dtype=kernel.dtype,
+            kernel_init=lambda key, shape, dtype: kernel,
+            bias_init=lambda key, shape, dtype: bias,
+            threshold=threshold,
+            rngs=nnx.Rngs(0),
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x_name = self._check_x(x)
+        compute = jnp.dtype(x_name) if self.dtype is None else self.dtype
+        bias = None if self.bias is None else self.bias.get_value()
+        return matmul_8bit(x.astype(compute), self.weight.get_value(), self.SCB.get_value(), bias, self.threshold)
+
+    def _state_entries(self) -> dict[str, np.ndarray]:
+        out = {"weight": _host_copy(self.weight.get_value())}
+        if self.bias is not None:
+            out["bias"] = _host_copy(self.bias.get_value())
+        out["SCB"] = _host_copy(self.SCB.get_value())
+        out["weight_format"] = np.array(_FORMAT_ROW, np.uint8)
+        return out
+
+    def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
+        k_w, k_scb, k_fmt = prefix + "weight", prefix + "SCB", prefix + "weight_format"
+        used.update(k for k in (k_w, k_scb, k_fmt) if k in d)
+        bias_apply = _plan_bias(self, d, prefix, errs, used)
+        n = len(errs)
+        if k_fmt in d:
+            fmt = np.asarray(d[k_fmt])
+            if fmt.size != 1 or fmt.reshape(-1)[0] != _FORMAT_ROW:
+                errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt.tolist()!r}")
+        if k_w not in d:
+            errs.append(f"missing key '{k_w}'")
+            return None
+        w = np.asarray(d[k_w])
+        shape = (self.out_features, self.in_features)
+        if w.shape != shape:
+            errs.append(f"size mismatch for '{k_w}': checkpoint has {w.shape}, the layer is {shape}")
+            return None
+        if w.dtype == np.int8:
+            if k_scb not in d:
+                errs.append(f"missing key '{k_scb}': an int8 '{k_w}' needs its row scales")
+                return None
+            scb = np.asarray(d[k_scb])
+            if scb.dtype.name not in _FLOAT_DTYPES or scb.shape != (self.out_features,):
+                errs.append(
+                    f"'{k_scb}' must be a float array of shape ({self.out_features},), got {scb.dtype} {scb.shape}"
+                )
+                return None
+            if len(errs) > n:
+                return None
+            cb, scb = _device_copy(w), _device_copy(scb, np.float32)
+
+            def apply():
+                self.weight.set_value(cb)
+                self.SCB.set_value(scb)
+                if bias_apply:
+                    bias_apply()
+
+            return apply
+        if w.dtype.name in _FLOAT_DTYPES:
+            if k_scb in d:
+                errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
+                return None
+            w = _host_copy(w)
+            return lambda: (self.set_weight(w), bias_apply and bias_apply())
+        errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
+        return None
+
+
+def _plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
+    k_b = prefix + "bias"
+    if layer.bias is None:
+        return None
+    if k_b not in d:
+        errs.append(f"missing key '{k_b}'")
+        return None
+    used.add(k_b)
+    b = np.asarray(d[k_b])
+    if b.shape != (layer.out_features,) or b.dtype.kind != "f" and b.dtype.name != "bfloat16":
+        errs.append(f"'{k_b}' must be a float array of shape ({layer.out_features},), got {b.dtype} {b.shape}")
+        return None
+    new = _device_copy(b, layer.bias.get_value().dtype)  # the parameter keeps its dtype
+    return lambda: layer.bias.set_value(new)
+
+
+def _plan_linear(layer: nnx.Linear, d: dict, prefix: str, errs: list[str], used: set[str]):
+    """A dense nnx.Linear under the torch key convention: weight = kernel.T."""
+    k_w = prefix + "weight"
+    bias_apply = _plan_bias(layer, d, prefix, errs, used)
+    if k_w not in d:
+        errs.append(f"missing key '{k_w}'")
+        return None
+    used.add(k_w)
+    w = np.asarray(d[k_w])
+    shape = (layer.out_features, layer.in_features)
+    if w.shape != shape or w.dtype.name not in _FLOAT_DTYPES:
+        errs.append(f"'{k_w}' must be a float array of shape {shape}, got {w.dtype} {w.shape}")
+        return None
+    kernel = _device_copy(w.T, layer.kernel.get_value().dtype)
+    return lambda: (layer.kernel.set_value(kernel), bias_apply and bias_apply())
+
+
+def _linear_entries(layer: nnx.Linear) -> dict[str, np.ndarray]:
+    out = {"weight": _host_copy(np.asarray(layer.kernel.get_value()).T)}
+    if layer.bias is not None:
+        out["bias"] = _host_copy(layer.bias.get_value())
+    return out
+
+
+# ------------------------------------------------------------------ graph walking
+
+
+def _children(node) -> Iterator[tuple[Any, Any]]:
+    impl = graphlib.get_node_impl(node)
+    if impl is None:
+        return
+    for key, child in impl.node_dict(node).items():
+        if isinstance(key, str) and key.startswith("_"):
+            continue  # nnx internals (_pytree__state, _length, ...)
+        yield key, child
+
+
+def _edges(root) -> Iterator[tuple[tuple, Any, Any, Any]]:
+    """(path, parent, key, child) for every edge to a Module below root, in
+    attribute order; a module reachable by several paths is yielded once per
+    path (as torch's state_dict does), but its subtree is walked once per path
+    only while no cycle is formed."""
+
+    def walk(node, path, on_stack):
+        for key, child in _children(node):
+            if isinstance(child, nnx.Variable) or not graphlib.is_node(child):
+                continue
+            if id(child) in on_stack:
+                continue
+            p = (*path, key)
+            if isinstance(child, nnx.Module):
+                yield p, node, key, child
+            yield from walk(child, p, on_stack | {id(child)})
+
+    yield from walk(root, (), frozenset({id(root)}))
+
+
+def _name(path: tuple) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def _set_child(parent, key, value) -> None:
+    if isinstance(parent, (nnx.List, nnx.Dict, list, dict)):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def _check_graph_root(module, what: str) -> None:
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"{what} expects an nnx.Module, got {type(module).__name__}")
+
+
+_KINDS = ("nf4", "fp4", "int8")
+
+
+def quantize_model(
+    module: nnx.Module,
+    quant_type: str = "nf4",
+    *,
+    blocksize: int = 64,
+    compress_statistics: bool = True,
+    compute_dtype=None,
+    threshold: float = 0.0,
+    skip: tuple[str, ...] = ("lm_head",),
+) -> nnx.Module:
+    """Replace every nnx.Linear below ``module`` in place with a Linear4bit
+    (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
+
+    A Linear whose dotted path (torch-style, e.g. ``layers.0.attn.q``) equals an
+    entry of ``skip`` or has it as one of its components is left dense. A Linear
+    reachable by several paths is replaced by one shared quantized layer. Each
+    replacement is logged on the "q4jax" logger (INFO).
+    """
+    _check_graph_root(module, "quantize_model")
+    if quant_type not in _KINDS:
+        raise ValueError(f"quant_type must be one of {_KINDS}, got {quant_type!r}")
+    if isinstance(module, nnx.Linear):
+        raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
+    if quant_type != "int8":
+        formats.check_blocksize(blocksize)
+    if isinstance(skip, str):
+        skip = (skip,)
+    targets = [(p, parent, key, child) for p, parent, key, child in _edges(module) if type(child) is nnx.Linear]
+    replaced: dict[int, nnx.Module] = {}
+    for path, parent, key, child in targets:
+        name = _name(path)
+        if name in skip or any(str(k) in skip for k in path):
+            logger.info("q4jax.quantize_model: kept %s dense (skip list)", name)
+            continue
+        new = replaced.get(id(child))
+        if new is None:
+            if quant_type == "int8":
+                new = Linear8bit.from_linear(child, threshold=threshold)
+            else:
+                new = Linear4bit.from_linear(
+                    child,
+                    quant_type=quant_type,
+                    blocksize=blocksize,
+                    compress_statistics=compress_statistics,
+                    compute_dtype=compute_dtype,
+                )
+            replaced[id(child)] = new
+        _set_child(parent, key, new)
+        logger.info(
+            "q4jax.quantize_model: %s nnx.Linear(%d, %d) -> %s (%s)",
+            name,
+            child.in_features,
+            child.out_features,
+            type(new).__name__,
+            quant_type,
+        )
+    return module
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _layers(module) -> list[tuple[str, nnx.Module]]:
+    return [
+        (_name(p) + ".", child)
+        for p, _, _, child in _edges(module)
+        if isinstance(child, (Linear4bit, Linear8bit, nnx.Linear))
+    ]
+
+
+def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
+    """Checkpoint entries of every Linear4bit, Linear8bit and nnx.Linear below
+    ``module`` (itself included), in q4torch's / bitsandbytes' key format: keys
+    ``<path>.<entry>`` with torch-style dotted paths; an nnx.Linear saves
+    ``weight`` = kernel.T. Every array is a fresh numpy copy."""
+    _check_graph_root(module, "state_dict")
+    layers = _layers(module)
+    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+        layers.insert(0, ("", module))
+    out: dict[str, np.ndarray] = {}
+    for prefix, layer in layers:
+        entries = _linear_entries(layer) if type(layer) is nnx.Linear else layer._state_entries()
+        for key, value in entries.items():
+            out[prefix + key] = value
+    return out
+
+
+def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = True) -> nnx.Module:
+    """Load a q4torch / bitsandbytes checkpoint (numpy arrays, or anything
+    np.asarray accepts) into ``module`` in place.
+
+    Every entry is validated (through the q4.QuantState schema for 4-bit
+    layers) before anything changes; on error a ValueError names each bad key
+    and the module is untouched. Arrays are copied (the caller's dict is never
+    aliased or mutated). A 4-bit layer takes the checkpoint's quant_type,
+    blocksize and nesting; a float weight is quantized with the layer's
+    settings. With ``strict``, keys no layer consumes are an error.
+    """
+    _check_graph_root(module, "load_state_dict")
+    if not isinstance(d, dict):
+        raise TypeError(f"load_state_dict expects a dict of arrays, got {type(d).__name__}")
+    layers = _layers(module)
+    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+        layers.insert(0, ("", module))
+    errs: list[str] = []
+    used: set[str] = set()
+    plans = []
+    for prefix, layer in layers:
+        if type(layer) is nnx.Linear:
+            plan = _plan_linear(layer, d, prefix, errs, used)
+        else:
+            plan = layer._plan_load(d, prefix, errs, used)
+        plans.append(plan)
+    if strict:
+        unexpected = sorted(k for k in d if k not in used)
+        if unexpected:
+            errs.append(f"unexpected keys {unexpected}")
+    if errs:
+        raise ValueError("load_state_dict: " + "; ".join(errs))
+    for plan in plans:
+        if plan is not None:
+            plan()
+    return module
