@@ -396,30 +396,35 @@ void gemv_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, in
 constexpr int kRowTile = 6;      // W rows per forward tile / dY rows per backward group
 constexpr int64_t kChunk = 256;  // columns (forward) or rows (backward) decoded per tile
 
-// Forward micro-kernel: acc[r][q] += Wd[r][kk] * Xp[q][kk][0..8) for r < R,
-// q < Q (1 or 2 panels), over one chunk.
+// The FMA micro-kernel of both directions: for t < len,
+//   acc[i][h] += a[i*lda + t] * b_h[t*ldb .. t*ldb + 8)   (i < R rows, h < Q vectors)
+// with acc[i][h] at acc_mem + (i*2 + h)*8. Forward: a = decoded W rows, b_h =
+// X panels; backward: a = dY rows, b_h = the two halves of a W column strip.
 template <int R, int Q>
-Q4_AVX2 void micro_fwd(const float* wd, const float* const* xp, int64_t len, float* acc_mem) {
+Q4_AVX2 void micro(const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t len,
+                   float* acc_mem) {
+  const float* b[2] = {b0, b1};
   __m256 acc[R][Q];
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < Q; ++q) acc[r][q] = _mm256_loadu_ps(acc_mem + (r * 2 + q) * 8);
-  for (int64_t kk = 0; kk < len; ++kk) {
-    __m256 xv[Q];
-    for (int q = 0; q < Q; ++q) xv[q] = _mm256_loadu_ps(xp[q] + kk * 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 w = _mm256_broadcast_ss(wd + r * kChunk + kk);
-      for (int q = 0; q < Q; ++q) acc[r][q] = _mm256_fmadd_ps(w, xv[q], acc[r][q]);
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < Q; ++h) acc[i][h] = _mm256_loadu_ps(acc_mem + (i * 2 + h) * 8);
+  for (int64_t t = 0; t < len; ++t) {
+    __m256 bv[Q];
+    for (int h = 0; h < Q; ++h) bv[h] = _mm256_loadu_ps(b[h] + t * ldb);
+    for (int i = 0; i < R; ++i) {
+      const __m256 w = _mm256_broadcast_ss(a + i * lda + t);
+      for (int h = 0; h < Q; ++h) acc[i][h] = _mm256_fmadd_ps(w, bv[h], acc[i][h]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int q = 0; q < Q; ++q) _mm256_storeu_ps(acc_mem + (r * 2 + q) * 8, acc[r][q]);
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < Q; ++h) _mm256_storeu_ps(acc_mem + (i * 2 + h) * 8, acc[i][h]);
 }
 
 // The full 6x2 tile with named accumulators: written out so the compiler keeps
 // all 12 in registers (the array form above spills them on every iteration).
-Q4_AVX2 void micro_fwd_6x2(const float* wd, const float* const* xp, int64_t len, float* acc_mem) {
-#define Q4_LOAD_ROW(r) \
-  __m256 a##r##0 = _mm256_loadu_ps(acc_mem + (r * 2) * 8), a##r##1 = _mm256_loadu_ps(acc_mem + (r * 2 + 1) * 8)
+Q4_AVX2 void micro_6x2(const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t len,
+                       float* acc_mem) {
+#define Q4_LOAD_ROW(i) \
+  __m256 a##i##0 = _mm256_loadu_ps(acc_mem + (i * 2) * 8), a##i##1 = _mm256_loadu_ps(acc_mem + (i * 2 + 1) * 8)
   Q4_LOAD_ROW(0);
   Q4_LOAD_ROW(1);
   Q4_LOAD_ROW(2);
@@ -427,15 +432,13 @@ Q4_AVX2 void micro_fwd_6x2(const float* wd, const float* const* xp, int64_t len,
   Q4_LOAD_ROW(4);
   Q4_LOAD_ROW(5);
 #undef Q4_LOAD_ROW
-  const float* x0 = xp[0];
-  const float* x1 = xp[1];
-  for (int64_t kk = 0; kk < len; ++kk) {
-    const __m256 v0 = _mm256_loadu_ps(x0 + kk * 8), v1 = _mm256_loadu_ps(x1 + kk * 8);
-#define Q4_FMA_ROW(r)                                           \
-  {                                                             \
-    const __m256 w = _mm256_broadcast_ss(wd + r * kChunk + kk); \
-    a##r##0 = _mm256_fmadd_ps(w, v0, a##r##0);                  \
-    a##r##1 = _mm256_fmadd_ps(w, v1, a##r##1);                  \
+  for (int64_t t = 0; t < len; ++t) {
+    const __m256 v0 = _mm256_loadu_ps(b0 + t * ldb), v1 = _mm256_loadu_ps(b1 + t * ldb);
+#define Q4_FMA_ROW(i)                                      \
+  {                                                        \
+    const __m256 w = _mm256_broadcast_ss(a + i * lda + t); \
+    a##i##0 = _mm256_fmadd_ps(w, v0, a##i##0);             \
+    a##i##1 = _mm256_fmadd_ps(w, v1, a##i##1);             \
   }
     Q4_FMA_ROW(0)
     Q4_FMA_ROW(1)
@@ -445,9 +448,9 @@ Q4_AVX2 void micro_fwd_6x2(const float* wd, const float* const* xp, int64_t len,
     Q4_FMA_ROW(5)
 #undef Q4_FMA_ROW
   }
-#define Q4_STORE_ROW(r)                             \
-  _mm256_storeu_ps(acc_mem + (r * 2) * 8, a##r##0); \
-  _mm256_storeu_ps(acc_mem + (r * 2 + 1) * 8, a##r##1)
+#define Q4_STORE_ROW(i)                             \
+  _mm256_storeu_ps(acc_mem + (i * 2) * 8, a##i##0); \
+  _mm256_storeu_ps(acc_mem + (i * 2 + 1) * 8, a##i##1)
   Q4_STORE_ROW(0);
   Q4_STORE_ROW(1);
   Q4_STORE_ROW(2);
@@ -458,28 +461,31 @@ Q4_AVX2 void micro_fwd_6x2(const float* wd, const float* const* xp, int64_t len,
 }
 
 template <int R>
-Q4_AVX2 void micro_fwd_q(int q_count, const float* wd, const float* const* xp, int64_t len, float* acc_mem) {
+Q4_AVX2 void micro_q(int q_count, const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb,
+                     int64_t len, float* acc_mem) {
   if (q_count == 2)
-    micro_fwd<R, 2>(wd, xp, len, acc_mem);
+    micro<R, 2>(a, lda, b0, b1, ldb, len, acc_mem);
   else
-    micro_fwd<R, 1>(wd, xp, len, acc_mem);
+    micro<R, 1>(a, lda, b0, b1, ldb, len, acc_mem);
 }
 
-Q4_AVX2 void micro_fwd_any(int rows, int q_count, const float* wd, const float* const* xp, int64_t len,
-                           float* acc_mem) {
+// R (1..6) rows x q_count (1..2) vectors.
+Q4_AVX2 void micro_any(int rows, int q_count, const float* a, int64_t lda, const float* b0, const float* b1,
+                       int64_t ldb, int64_t len, float* acc_mem) {
   switch (rows) {
     case 6:
-      return q_count == 2 ? micro_fwd_6x2(wd, xp, len, acc_mem) : micro_fwd_q<6>(q_count, wd, xp, len, acc_mem);
+      if (q_count == 2) return micro_6x2(a, lda, b0, b1, ldb, len, acc_mem);
+      return micro_q<6>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
     case 5:
-      return micro_fwd_q<5>(q_count, wd, xp, len, acc_mem);
+      return micro_q<5>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
     case 4:
-      return micro_fwd_q<4>(q_count, wd, xp, len, acc_mem);
+      return micro_q<4>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
     case 3:
-      return micro_fwd_q<3>(q_count, wd, xp, len, acc_mem);
+      return micro_q<3>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
     case 2:
-      return micro_fwd_q<2>(q_count, wd, xp, len, acc_mem);
+      return micro_q<2>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
     default:
-      return micro_fwd_q<1>(q_count, wd, xp, len, acc_mem);
+      return micro_q<1>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
   }
 }
 
@@ -531,7 +537,7 @@ Q4_AVX2 void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const
           alignas(32) float pair[kRowTile * 2 * 8];
           for (int r = 0; r < rows; ++r)
             for (int q = 0; q < q_count; ++q) memcpy(pair + (r * 2 + q) * 8, acc + ((pn + q) * kRowTile + r) * 8, 32);
-          micro_fwd_any(rows, q_count, wd, xps, len, pair);
+          micro_any(rows, q_count, wd, kChunk, xps[0], xps[1], 8, len, pair);
           for (int r = 0; r < rows; ++r)
             for (int q = 0; q < q_count; ++q) memcpy(acc + ((pn + q) * kRowTile + r) * 8, pair + (r * 2 + q) * 8, 32);
         }
@@ -542,81 +548,6 @@ Q4_AVX2 void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const
           store_out(p.out, p.out_dtype, m * p.n + r0 + r, acc[((m / 8) * kRowTile + r) * 8 + m % 8] + bias);
       }
     }
-  }
-}
-
-// Backward micro-kernel: acc[j][h] += dY[m0+j][r] * Ws[r][8h..8h+8) for
-// j < J dY rows, over `len` W rows of a 16-column strip.
-template <int J>
-Q4_AVX2 void micro_bwd(const float* ws, const float* dy, int64_t ldy, int64_t len, float* acc_mem) {
-  __m256 acc[J][2];
-  for (int j = 0; j < J; ++j)
-    for (int h = 0; h < 2; ++h) acc[j][h] = _mm256_loadu_ps(acc_mem + (j * 2 + h) * 8);
-  for (int64_t r = 0; r < len; ++r) {
-    const __m256 w0 = _mm256_loadu_ps(ws + r * 16), w1 = _mm256_loadu_ps(ws + r * 16 + 8);
-    for (int j = 0; j < J; ++j) {
-      const __m256 g = _mm256_broadcast_ss(dy + j * ldy + r);
-      acc[j][0] = _mm256_fmadd_ps(g, w0, acc[j][0]);
-      acc[j][1] = _mm256_fmadd_ps(g, w1, acc[j][1]);
-    }
-  }
-  for (int j = 0; j < J; ++j)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc_mem + (j * 2 + h) * 8, acc[j][h]);
-}
-
-// Six dY rows with named accumulators (see micro_fwd_6x2).
-Q4_AVX2 void micro_bwd_6(const float* ws, const float* dy, int64_t ldy, int64_t len, float* acc_mem) {
-#define Q4_LOAD_ROW(j) \
-  __m256 a##j##0 = _mm256_loadu_ps(acc_mem + (j * 2) * 8), a##j##1 = _mm256_loadu_ps(acc_mem + (j * 2 + 1) * 8)
-  Q4_LOAD_ROW(0);
-  Q4_LOAD_ROW(1);
-  Q4_LOAD_ROW(2);
-  Q4_LOAD_ROW(3);
-  Q4_LOAD_ROW(4);
-  Q4_LOAD_ROW(5);
-#undef Q4_LOAD_ROW
-  for (int64_t r = 0; r < len; ++r) {
-    const __m256 w0 = _mm256_loadu_ps(ws + r * 16), w1 = _mm256_loadu_ps(ws + r * 16 + 8);
-#define Q4_FMA_ROW(j)                                       \
-  {                                                         \
-    const __m256 g = _mm256_broadcast_ss(dy + j * ldy + r); \
-    a##j##0 = _mm256_fmadd_ps(g, w0, a##j##0);              \
-    a##j##1 = _mm256_fmadd_ps(g, w1, a##j##1);              \
-  }
-    Q4_FMA_ROW(0)
-    Q4_FMA_ROW(1)
-    Q4_FMA_ROW(2)
-    Q4_FMA_ROW(3)
-    Q4_FMA_ROW(4)
-    Q4_FMA_ROW(5)
-#undef Q4_FMA_ROW
-  }
-#define Q4_STORE_ROW(j)                             \
-  _mm256_storeu_ps(acc_mem + (j * 2) * 8, a##j##0); \
-  _mm256_storeu_ps(acc_mem + (j * 2 + 1) * 8, a##j##1)
-  Q4_STORE_ROW(0);
-  Q4_STORE_ROW(1);
-  Q4_STORE_ROW(2);
-  Q4_STORE_ROW(3);
-  Q4_STORE_ROW(4);
-  Q4_STORE_ROW(5);
-#undef Q4_STORE_ROW
-}
-
-Q4_AVX2 void micro_bwd_any(int rows, const float* ws, const float* dy, int64_t ldy, int64_t len, float* acc_mem) {
-  switch (rows) {
-    case 6:
-      return micro_bwd_6(ws, dy, ldy, len, acc_mem);
-    case 5:
-      return micro_bwd<5>(ws, dy, ldy, len, acc_mem);
-    case 4:
-      return micro_bwd<4>(ws, dy, ldy, len, acc_mem);
-    case 3:
-      return micro_bwd<3>(ws, dy, ldy, len, acc_mem);
-    case 2:
-      return micro_bwd<2>(ws, dy, ldy, len, acc_mem);
-    default:
-      return micro_bwd<1>(ws, dy, ldy, len, acc_mem);
   }
 }
 
@@ -641,7 +572,7 @@ Q4_AVX2 void grad_strips_avx2(const Gemm4bitGradInputParams& p, const float* dy,
         }
         for (int64_t g = 0; g < groups; ++g) {
           const int rows = int(std::min<int64_t>(kRowTile, p.m - g * kRowTile));
-          micro_bwd_any(rows, ws, dy + g * kRowTile * p.n + r0, p.n, len, acc + g * kRowTile * 16);
+          micro_any(rows, 2, dy + g * kRowTile * p.n + r0, p.n, ws, ws + 8, 16, len, acc + g * kRowTile * 16);
         }
       }
       for (int64_t m = 0; m < p.m; ++m)
