@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
@@ -121,21 +122,30 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   const int64_t max_chunks = std::max<int64_t>(1, n / grain);
-  const int chunks = static_cast<int>(std::min<int64_t>(cpu_num_threads(), max_chunks));
-  if (chunks <= 1 || t_in_parallel) {
+  const int threads = static_cast<int>(std::min<int64_t>(cpu_num_threads(), max_chunks));
+  if (threads <= 1 || t_in_parallel) {
     ScopedIeeeFloat ieee;
     fn(0, n);
     return;
   }
+  // Chunks are handed out dynamically (a few per thread): a thread that loses
+  // its core for a while (another runtime's pool spinning beside ours, e.g.
+  // PyTorch's OpenMP or XLA's) takes fewer chunks instead of holding up the
+  // call. Every index is in exactly one fn call, so results do not depend on
+  // which thread ran it.
+  const int64_t chunks = std::min<int64_t>(max_chunks, int64_t(threads) * 4);
   const int64_t per = (n + chunks - 1) / chunks;
-  std::function<void(int)> chunk_fn = [&](int c) {
-    const int64_t b = c * per, e = std::min(n, b + per);
+  std::atomic<int64_t> next{0};
+  std::function<void(int)> worker = [&](int) {
     ScopedIeeeFloat ieee;
     t_in_parallel = true;
-    if (b < e) fn(b, e);
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t b = c * per, e = std::min(n, b + per);
+      if (b < e) fn(b, e);
+    }
     t_in_parallel = false;
   };
-  pool().run(chunks, chunk_fn);
+  pool().run(threads, worker);
 }
 
 #if defined(__x86_64__) || defined(__i386__)

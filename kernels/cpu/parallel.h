@@ -1,6 +1,7 @@
 // A persistent worker pool for the CPU kernels. parallel_for splits [0, n)
-// into at most num_threads contiguous chunks of at least `grain` items and
-// runs fn(begin, end) on each; the caller's thread takes the first chunk.
+// into contiguous chunks of at least `grain` items (up to 4 per thread, handed
+// out dynamically) and runs fn(begin, end) on each; the caller's thread works
+// too. fn may be called several times per thread.
 // Thread count: set_cpu_num_threads(), else Q4_NUM_THREADS, else
 // OMP_NUM_THREADS, else the hardware concurrency.
 #pragma once
