@@ -6,6 +6,7 @@ constants (read from the library), the numpy-level QuantState schema and
 numpy entry points to the CPU kernels.
 """
 
+from q4 import checkpoint
 from q4._src.formats import (
     QUANT_TYPES,
     check_blocksize,
@@ -50,6 +51,7 @@ __all__ = [
     "QuantState",
     "QuantStateError",
     "check_blocksize",
+    "checkpoint",
     "code_table",
     "cpu_has_avx2",
     "cpu_has_avx512",
