@@ -1,0 +1,140 @@
+"""One small interface over each framework's quantized layer, so a parity
+scenario is written once and run for q4torch and q4jax (and bitsandbytes
+where it makes sense). Everything crosses the interface as numpy arrays.
+
+A layer spec: kind ('4bit' | '8bit'), quant_type, nested, blocksize,
+threshold; weights W [out, in] fp32 and bias [out] fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str = "4bit"
+    quant_type: str = "nf4"
+    nested: bool = True
+    blocksize: int = 64
+    threshold: float = 0.0
+
+    @property
+    def id(self) -> str:
+        if self.kind == "8bit":
+            return f"int8-t{self.threshold:g}"
+        return f"{self.quant_type}-{'nested' if self.nested else 'plain'}-bs{self.blocksize}"
+
+
+class TorchAdapter:
+    name = "q4torch"
+
+    def __init__(self):
+        import torch
+
+        import q4torch.nn as qnn
+
+        self.torch, self.nn = torch, qnn
+
+    def make(self, spec: Spec, w: np.ndarray, b: np.ndarray):
+        torch = self.torch
+        out_f, in_f = w.shape
+        if spec.kind == "8bit":
+            layer = self.nn.Linear8bitLt(in_f, out_f, has_fp16_weights=False, threshold=spec.threshold)
+        else:
+            layer = self.nn.Linear4bit(in_f, out_f, quant_type=spec.quant_type, compress_statistics=spec.nested)
+            layer.weight = self.nn.Params4bit(
+                torch.from_numpy(w.copy()),
+                blocksize=spec.blocksize,
+                compress_statistics=spec.nested,
+                quant_type=spec.quant_type,
+                module=layer,
+            )
+        if spec.kind == "8bit":
+            layer.weight.data = torch.from_numpy(w.copy())
+        layer.bias.data = torch.from_numpy(b.copy())
+        return layer.to("cpu")
+
+    def forward(self, layer, x: np.ndarray) -> np.ndarray:
+        with self.torch.no_grad():
+            return layer(self._t(x)).float().numpy()
+
+    def input_grad(self, layer, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        xt = self._t(x).requires_grad_()
+        layer(xt).backward(self._t(g))
+        return xt.grad.float().numpy()
+
+    def state(self, layer) -> dict[str, np.ndarray]:
+        return {k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
+
+    def load(self, layer, state: dict[str, np.ndarray]) -> None:
+        layer.load_state_dict({k: self.torch.from_numpy(np.array(v)) for k, v in state.items()})
+
+    def clone(self, layer):
+        return copy.deepcopy(layer)
+
+    def set_weight(self, layer, spec: Spec, w: np.ndarray) -> None:
+        """Re-quantize the layer in place from new float weights."""
+        fresh = self.make(spec, w, self.state(layer)["bias"])
+        self.load(layer, self.state(fresh))
+
+    def _t(self, x: np.ndarray):
+        if x.dtype.name == "bfloat16":
+            return self.torch.from_numpy(x.view(np.uint16).copy()).view(self.torch.bfloat16)
+        return self.torch.from_numpy(x.copy())
+
+
+class JaxAdapter:
+    name = "q4jax"
+
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        import q4jax
+
+        self.jax, self.jnp, self.nnx, self.q4jax = jax, jnp, nnx, q4jax
+
+    def make(self, spec: Spec, w: np.ndarray, b: np.ndarray):
+        nn, nnx = self.q4jax.nn, self.nnx
+        out_f, in_f = w.shape
+        if spec.kind == "8bit":
+            layer = nn.Linear8bit(in_f, out_f, threshold=spec.threshold, rngs=nnx.Rngs(0))
+        else:
+            layer = nn.Linear4bit(
+                in_f,
+                out_f,
+                quant_type=spec.quant_type,
+                blocksize=spec.blocksize,
+                compress_statistics=spec.nested,
+                rngs=nnx.Rngs(0),
+            )
+        layer.set_weight(self.jnp.asarray(w))
+        self.q4jax.load_state_dict(layer, {**self.state(layer), "bias": b})
+        return layer
+
+    def forward(self, layer, x: np.ndarray) -> np.ndarray:
+        return np.asarray(layer(self.jnp.asarray(x)), np.float32)
+
+    def input_grad(self, layer, x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        _, vjp = self.jax.vjp(lambda a: layer(a), self.jnp.asarray(x))
+        return np.asarray(vjp(self.jnp.asarray(g))[0], np.float32)
+
+    def state(self, layer) -> dict[str, np.ndarray]:
+        return self.q4jax.state_dict(layer)
+
+    def load(self, layer, state: dict[str, np.ndarray]) -> None:
+        self.q4jax.load_state_dict(layer, state)
+
+    def clone(self, layer):
+        return self.nnx.clone(layer)
+
+    def set_weight(self, layer, spec: Spec, w: np.ndarray) -> None:
+        layer.set_weight(self.jnp.asarray(w))
+
+
+ADAPTERS = {"q4torch": TorchAdapter, "q4jax": JaxAdapter}

@@ -1,0 +1,154 @@
+"""Parity scenarios written once and run through each framework's adapter:
+copying, reload after a forward, cross-framework bytes and outputs, and
+checkpoint hops (including one saved by bitsandbytes)."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+from parity.adapters import ADAPTERS, Spec
+from reference import inputs
+from reference.matmul import check_against_baseline
+
+SPECS = [
+    Spec("4bit", "nf4", True, 64),
+    Spec("4bit", "fp4", False, 64),
+    Spec("4bit", "nf4", False, 4096),
+    Spec("4bit", "fp4", True, 4096),
+    Spec("8bit", threshold=0.0),
+    Spec("8bit", threshold=6.0),
+]
+OUT, IN = 48, 4096 // 32  # 128 inputs: a 4096 block spans several rows
+
+
+@pytest.fixture(params=sorted(ADAPTERS))
+def fw(request):
+    return ADAPTERS[request.param]()
+
+
+@pytest.fixture(params=SPECS, ids=lambda s: s.id)
+def spec(request):
+    return request.param
+
+
+def _weights(rng):
+    w = (inputs.make(rng, (OUT, IN), "float32") * 0.1).astype(np.float32)
+    return w, inputs.make(rng, (OUT,), "float32")
+
+
+def _x(rng, dtype="float32"):
+    x = inputs.make(rng, (5, IN), dtype)
+    x[:, 7] = 8.0  # an outlier column for LLM.int8 with threshold 6
+    return x
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes() for k in a)
+
+
+def test_copy(fw, spec, rng):
+    """A copy is independent: re-quantizing it leaves the original's bytes and
+    outputs unchanged, and the original can be collected while the copy lives."""
+    w, b = _weights(rng)
+    layer = fw.make(spec, w, b)
+    x = _x(rng)
+    before_state, before_out = fw.state(layer), fw.forward(layer, x)
+    clone = fw.clone(layer)
+    assert _same_state(fw.state(clone), before_state)
+    assert np.array_equal(fw.forward(clone, x), before_out)
+    fw.set_weight(clone, spec, w * 2)
+    assert _same_state(fw.state(layer), before_state) and np.array_equal(fw.forward(layer, x), before_out)
+    assert not np.array_equal(fw.forward(clone, x), before_out)
+    ref = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert ref() is None
+    fw.forward(clone, x)
+
+
+def test_reload_after_forward_and_switching(fw, spec, rng):
+    """Loading after a forward, and switching checkpoints, gives exactly the
+    source's outputs and resaved state; the caller's dict is untouched."""
+    wa, ba = _weights(rng)
+    wb, bb = _weights(rng)
+    src_a, src_b = fw.make(spec, wa, ba), fw.make(spec, wb, bb)
+    x = _x(rng)
+    dest = fw.make(spec, wb * 0.5, bb)
+    fw.forward(dest, x)
+    for src in (src_a, src_b, src_a):
+        state = fw.state(src)
+        snapshot = {k: np.array(v, copy=True) for k, v in state.items()}
+        fw.load(dest, state)
+        assert np.array_equal(fw.forward(dest, x), fw.forward(src, x))
+        assert _same_state(fw.state(dest), state)
+        assert _same_state(state, snapshot)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_frameworks_agree(spec, rng, dtype):
+    """Same weights and inputs through both frameworks: identical checkpoint
+    bytes; outputs and input gradients each as close to the fp64 reference as
+    the dense matmul in the same dtype (and bit-identical to each other for 4-bit)."""
+    w, b = _weights(rng)
+    x, g = _x(rng, dtype), inputs.make(rng, (5, OUT), dtype)
+    results = {}
+    for name, cls in sorted(ADAPTERS.items()):
+        fw = cls()
+        layer = fw.make(spec, w, b)
+        results[name] = (fw.state(layer), fw.forward(layer, x), fw.input_grad(layer, x, g))
+    (st_a, y_a, dx_a), (st_b, y_b, dx_b) = results.values()
+    assert _same_state(st_a, st_b)
+    if spec.kind == "4bit":
+        w_deq = _dequantized(st_a)
+        for y, dx in ((y_a, dx_a), (y_b, dx_b)):
+            check_against_baseline(y - b, inputs.to_f32(x), w_deq.T, dtype, what="output")
+            check_against_baseline(dx, inputs.to_f32(g), w_deq, dtype, what="input gradient")
+    if dtype == "float32":
+        assert np.array_equal(y_a, y_b) and np.array_equal(dx_a, dx_b)
+
+
+def _dequantized(state) -> np.ndarray:
+    import q4
+
+    entries = {k[len("weight.") :]: v for k, v in state.items() if k.startswith("weight.")}
+    st = q4.QuantState.from_dict(entries)
+    absmax = st.absmax
+    if st.nested:
+        absmax = q4.dequantize_blockwise(st.absmax, st.nested_absmax, 256, offset=st.nested_offset)
+    return q4.dequantize_4bit(state["weight"], absmax, st.shape, st.blocksize, st.quant_type)
+
+
+def test_checkpoint_hops_including_bitsandbytes(spec, rng, tmp_path):
+    """bitsandbytes -> file -> q4jax -> file -> q4torch -> file: bytes identical after each hop."""
+    import bitsandbytes as bnb
+    import torch
+
+    import q4
+
+    w, b = _weights(rng)
+    if spec.kind == "8bit":
+        layer = bnb.nn.Linear8bitLt(IN, OUT, has_fp16_weights=False, threshold=spec.threshold)
+    else:
+        layer = bnb.nn.Linear4bit(IN, OUT, quant_type=spec.quant_type, compress_statistics=spec.nested)
+        layer.weight = bnb.nn.Params4bit(
+            torch.from_numpy(w.copy()),
+            blocksize=spec.blocksize,
+            compress_statistics=spec.nested,
+            quant_type=spec.quant_type,
+            module=layer,
+        )
+    if spec.kind == "8bit":
+        layer.weight.data = torch.from_numpy(w.copy())
+    layer.bias.data = torch.from_numpy(b.copy())
+    layer = layer.to("cpu")
+    origin = {k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
+    q4.checkpoint.save_file(origin, tmp_path / "bnb.safetensors")
+    state = q4.checkpoint.load_file(tmp_path / "bnb.safetensors")
+    for i, name in enumerate(("q4jax", "q4torch", "q4jax")):
+        fw = ADAPTERS[name]()
+        dest = fw.make(spec, w * 0.5, b)
+        fw.load(dest, state)
+        q4.checkpoint.save_file(fw.state(dest), tmp_path / f"hop{i}.safetensors")
+        state = q4.checkpoint.load_file(tmp_path / f"hop{i}.safetensors")
+        assert _same_state(state, origin), name
