@@ -68,15 +68,18 @@ def test_copy(fw, spec, rng):
     fw.forward(clone, x)
 
 
-def test_reload_after_forward_and_switching(fw, spec, rng):
-    """Loading after a forward, and switching checkpoints, gives exactly the
-    source's outputs and resaved state; the caller's dict is untouched."""
+@pytest.mark.parametrize("destination", ["cold", "after_forward"])
+def test_reload_and_switching(fw, spec, rng, destination):
+    """Loading into a cold layer or one that already ran a forward, and
+    switching checkpoints, gives exactly the source's outputs and resaved
+    state; the caller's dict is untouched."""
     wa, ba = _weights(rng)
     wb, bb = _weights(rng)
     src_a, src_b = fw.make(spec, wa, ba), fw.make(spec, wb, bb)
     x = _x(rng)
     dest = fw.make(spec, wb * 0.5, bb)
-    fw.forward(dest, x)
+    if destination == "after_forward":
+        fw.forward(dest, x)
     for src in (src_a, src_b, src_a):
         state = fw.state(src)
         snapshot = {k: np.array(v, copy=True) for k, v in state.items()}
