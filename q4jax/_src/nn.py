@@ -80,6 +80,23 @@ def _device_copy(a, dtype=None) -> jax.Array:
     return jnp.asarray(a)
 
 
+def _from_linear_args(linear: nnx.Linear) -> dict:
+    """Constructor arguments that rebuild `linear`'s shape, dtypes, kernel and bias."""
+    if not isinstance(linear, nnx.Linear):
+        raise TypeError(f"from_linear expects an nnx.Linear, got {type(linear).__name__}")
+    kernel = linear.kernel.get_value()
+    bias = None if linear.bias is None else linear.bias.get_value()
+    return dict(
+        in_features=linear.in_features,
+        out_features=linear.out_features,
+        use_bias=bias is not None,
+        dtype=linear.dtype,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda key, shape, dtype: kernel,
+        bias_init=lambda key, shape, dtype: bias,
+    )
+
+
 class _QuantLinear(nnx.Module):
     """Shared constructor logic: initialise a float kernel like nnx.Linear."""
 
@@ -182,18 +199,8 @@ class Linear4bit(_QuantLinear):
     ) -> Linear4bit:
         """Quantize an nnx.Linear (its kernel [in, out] becomes W = kernel.T);
         the bias is copied as a new nnx.Param. The Linear is not modified."""
-        if not isinstance(linear, nnx.Linear):
-            raise TypeError(f"from_linear expects an nnx.Linear, got {type(linear).__name__}")
-        kernel = linear.kernel.get_value()
-        bias = None if linear.bias is None else linear.bias.get_value()
         return cls(
-            linear.in_features,
-            linear.out_features,
-            use_bias=bias is not None,
-            dtype=linear.dtype,
-            param_dtype=kernel.dtype,
-            kernel_init=lambda key, shape, dtype: kernel,
-            bias_init=lambda key, shape, dtype: bias,
+            **_from_linear_args(linear),
             quant_type=quant_type,
             blocksize=blocksize,
             compress_statistics=compress_statistics,
@@ -349,18 +356,8 @@ class Linear8bit(_QuantLinear):
     @classmethod
     def from_linear(cls, linear: nnx.Linear, *, threshold: float = 0.0) -> Linear8bit:
         """Quantize an nnx.Linear (W = kernel.T); the Linear is not modified."""
-        if not isinstance(linear, nnx.Linear):
-            raise TypeError(f"from_linear expects an nnx.Linear, got {type(linear).__name__}")
-        kernel = linear.kernel.get_value()
-        bias = None if linear.bias is None else linear.bias.get_value()
         return cls(
-            linear.in_features,
-            linear.out_features,
-            use_bias=bias is not None,
-            dtype=linear.dtype,
-            param_dtype=kernel.dtype,
-            kernel_init=lambda key, shape, dtype: kernel,
-            bias_init=lambda key, shape, dtype: bias,
+            **_from_linear_args(linear),
             threshold=threshold,
             rngs=nnx.Rngs(0),
         )
