@@ -139,74 +139,238 @@ def validate(tensors: dict[str, np.ndarray]) -> dict[str, dict]:
 # ------------------------------------------------------------------- files
 
 
+class Reader:
+    """A safetensors file opened for reading one tensor at a time.
+
+    The header is parsed and every entry checked (dtype, shape, offsets inside
+    the file, no overlaps) when the file is opened; tensor data is memory-mapped
+    and only read when asked for, so files larger than memory can be walked.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
+        except OSError as e:
+            raise CheckpointError(f"cannot read checkpoint {self.path}: {e.strerror or e}") from e
+        try:
+            self._parse()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _parse(self) -> None:
+        path, f = self.path, self._file
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _HEADER_LIMIT or 8 + n > size:
+            raise CheckpointError(f"{path}: header of {n} bytes does not fit in the {size}-byte file (truncated?)")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: the header is not valid JSON (corrupted?): {e}") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: the header must be a JSON object")
+        meta = header.pop("__metadata__", {}) or {}
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: __metadata__ must be a JSON object")
+        self.metadata = {str(k): str(v) for k, v in meta.items()}
+        self._start, body = 8 + n, size - 8 - n
+        self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        spans = []
+        for key, info in header.items():
+            try:
+                dtype_name = _DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                begin, end = (int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                bad = info.get("dtype") if isinstance(info, dict) and info.get("dtype") not in _DTYPES else None
+                what = f"unsupported dtype {bad!r}" if bad else f"a malformed header entry {info!r}"
+                raise CheckpointError(f"{path}: tensor '{key}' has {what}") from e
+            dtype = _np_dtype(dtype_name)
+            if any(s < 0 for s in shape) or not 0 <= begin <= end <= body:
+                raise CheckpointError(
+                    f"{path}: tensor '{key}' spans bytes [{begin}, {end}) outside the {body}-byte data section "
+                    "(truncated?)"
+                )
+            if end - begin != math.prod(shape) * dtype.itemsize:
+                raise CheckpointError(
+                    f"{path}: tensor '{key}' has {end - begin} bytes, shape {list(shape)} of {dtype_name} needs "
+                    f"{math.prod(shape) * dtype.itemsize}"
+                )
+            spans.append((begin, end, key))
+            self._entries[key] = (dtype, shape, begin, end)
+        spans.sort()
+        for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:], strict=False):
+            if b1 < e0:
+                raise CheckpointError(f"{path}: tensors '{k0}' and '{k1}' overlap (corrupted header)")
+        self._map = None
+
+    def keys(self) -> list[str]:
+        """Tensor names in file order (by data offset)."""
+        return sorted(self._entries, key=lambda k: self._entries[k][2])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def dtype(self, key: str) -> np.dtype:
+        return self._entries[key][0]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][1]
+
+    def nbytes(self, key: str) -> int:
+        _, _, begin, end = self._entries[key]
+        return end - begin
+
+    def view(self, key: str) -> np.ndarray:
+        """A read-only, memory-mapped view (no data is read until used)."""
+        dtype, shape, begin, end = self._entries[key]
+        if end == begin:
+            return np.zeros(shape, dtype)
+        if self._map is None:
+            self._map = np.memmap(self._file, np.uint8, mode="r")
+        return self._map[self._start + begin : self._start + end].view(dtype).reshape(shape)
+
+    def read(self, key: str) -> np.ndarray:
+        """The tensor as a fresh, aligned, writable array."""
+        return np.array(self.view(key))
+
+    def close(self) -> None:
+        self._map = None
+        self._file.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Writer:
+    """Writes a safetensors file tensor by tensor, atomically.
+
+    ``header_bytes`` reserves room for the header before the data (an upper
+    bound: see header_bound); tensors are appended as they come, the header is
+    written last, padded with spaces, and the temporary file replaces ``path``
+    on commit(). Leaving the ``with`` block by an exception (or calling
+    abort()) removes the temporary file, so no partial output is ever left.
+    """
+
+    def __init__(self, path, header_bytes: int):
+        self.path = Path(path)
+        self._reserved = 8 + header_bytes + (-header_bytes % 8)
+        directory = self.path.parent if str(self.path.parent) else Path(".")
+        try:
+            fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+        except OSError as e:
+            raise CheckpointError(f"cannot write {self.path}: {e.strerror or e}") from e
+        self._file = os.fdopen(fd, "wb")
+        self._file.seek(self._reserved)
+        self._header: dict = {}
+        self._offset = 0
+
+    def add(self, key: str, value) -> None:
+        if not isinstance(key, str) or not key:
+            raise CheckpointError(f"tensor names must be non-empty strings, got {key!r}")
+        if key in self._header:
+            raise CheckpointError(f"tensor '{key}' written twice")
+        arr = np.asarray(value)  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        self._header[key] = {
+            "dtype": _dtype_name(arr, key),
+            "shape": list(arr.shape),
+            "data_offsets": [self._offset, self._offset + arr.nbytes],
+        }
+        self._file.write(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
+        self._offset += arr.nbytes
+
+    def finish(self, metadata: dict[str, str] | None = None) -> None:
+        """Write the header and flush; the file stays temporary until publish()."""
+        header = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}, **self._header}
+        blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        if len(blob) > self._reserved - 8:
+            raise CheckpointError(f"header of {len(blob)} bytes exceeds the {self._reserved - 8} bytes reserved")
+        blob += b" " * (self._reserved - 8 - len(blob))
+        f = self._file
+        f.seek(0)
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
+    @property
+    def size(self) -> int:
+        """Bytes in the file (header + data)."""
+        return self._reserved + self._offset
+
+    def publish(self) -> None:
+        """Move the finished file to its destination."""
+        os.replace(self._tmp, self.path)
+        self._tmp = None
+
+    def commit(self, metadata: dict[str, str] | None = None) -> None:
+        self.finish(metadata)
+        self.publish()
+
+    def abort(self) -> None:
+        """Drop the temporary file (no-op once published)."""
+        self._file.close()
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+            self._tmp = None
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
+def header_bound(entries: dict[str, tuple[str, tuple[int, ...], int]], metadata: dict[str, str]) -> int:
+    """An upper bound on the header size of a file holding ``entries``
+    (name -> (safetensors dtype, shape, upper bound on bytes))."""
+    total = sum(n for _, _, n in entries.values())
+    header = {"__metadata__": metadata}
+    for key, (dtype, shape, _) in entries.items():
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [total, total]}
+    return len(json.dumps(header, separators=(",", ":")).encode("utf-8")) + 8
+
+
 def save_file(tensors: dict[str, np.ndarray], path, metadata: dict[str, str] | None = None) -> None:
     """Write numpy arrays as a safetensors file, atomically (temp file + rename).
 
     Quantized layers are validated first and described in the header's
     ``q4.layers`` metadata; ``metadata`` adds string entries of your own.
     """
-    path = Path(path)
     arrays = {}
     for key, value in tensors.items():
         if not isinstance(key, str) or not key:
             raise CheckpointError(f"tensor names must be non-empty strings, got {key!r}")
-        arr = np.asarray(value)  # (np.ascontiguousarray would turn a 0-d array into 1-d)
-        if not arr.flags.c_contiguous:
-            arr = arr.copy(order="C")
-        _dtype_name(arr, key)
-        arrays[key] = arr
+        arrays[key] = np.asarray(value)
+        _dtype_name(arrays[key], key)
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta["q4.layers"] = json.dumps(validate(arrays), sort_keys=True)
-    header: dict = {"__metadata__": meta}
-    offset = 0
-    for key in sorted(arrays):
-        arr = arrays[key]
-        header[key] = {
-            "dtype": _dtype_name(arr, key),
-            "shape": list(arr.shape),
-            "data_offsets": [offset, offset + arr.nbytes],
-        }
-        offset += arr.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for key in sorted(arrays):
-                f.write(arrays[key].tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def _read_header(data: bytes, path) -> tuple[dict, int]:
-    if len(data) < 8:
-        raise CheckpointError(f"{path}: {len(data)} bytes is too short for a safetensors file (truncated?)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > _HEADER_LIMIT or 8 + n > len(data):
-        raise CheckpointError(f"{path}: header of {n} bytes does not fit in the {len(data)}-byte file (truncated?)")
-    try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: the header is not valid JSON (corrupted?): {e}") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: the header must be a JSON object")
-    return header, 8 + n
+    bound = header_bound({k: (_dtype_name(a, k), a.shape, a.nbytes) for k, a in arrays.items()}, meta)
+    with Writer(path, bound) as w:
+        for key in sorted(arrays):
+            w.add(key, arrays[key])
+        w.commit(meta)
 
 
 def load_file(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
     """Read a safetensors file into numpy arrays (copies), validating the
     container and, with check_layers, every quantized layer."""
-    tensors, _ = _load(path)
+    with Reader(path) as r:
+        tensors = {key: r.read(key) for key in r.keys()}
     if check_layers:
         validate(tensors)
     return tensors
@@ -214,40 +378,5 @@ def load_file(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
 
 def load_metadata(path) -> dict[str, str]:
     """The header's ``__metadata__`` (``q4.layers`` is JSON describing the quantized layers)."""
-    return _load(path)[1]
-
-
-def _load(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
-    header, start = _read_header(data, path)
-    meta = header.pop("__metadata__", {}) or {}
-    body = len(data) - start
-    tensors, spans = {}, []
-    for key, info in header.items():
-        try:
-            dtype_name = _DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor '{key}' has a malformed header entry {info!r}") from e
-        dtype = _np_dtype(dtype_name)
-        if any(s < 0 for s in shape) or not 0 <= begin <= end <= body:
-            raise CheckpointError(
-                f"{path}: tensor '{key}' spans bytes [{begin}, {end}) outside the {body}-byte data section (truncated?)"
-            )
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise CheckpointError(
-                f"{path}: tensor '{key}' has {end - begin} bytes, shape {list(shape)} of {dtype_name} needs "
-                f"{math.prod(shape) * dtype.itemsize}"
-            )
-        spans.append((begin, end, key))
-        tensors[key] = np.frombuffer(data, dtype, count=math.prod(shape), offset=start + begin).reshape(shape).copy()
-    spans.sort()
-    for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:], strict=False):
-        if b1 < e0:
-            raise CheckpointError(f"{path}: tensors '{k0}' and '{k1}' overlap (corrupted header)")
-    return tensors, {str(k): str(v) for k, v in meta.items()}
+    with Reader(path) as r:
+        return r.metadata

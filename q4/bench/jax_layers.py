@@ -3,18 +3,14 @@ dequantize + dot, qwix 0.1.8 (NF4 weight-only PTQ, tile_size=64) and XLA's
 dense fp32, 4096x4096, under jit; plus XLA's memory analysis of a 4-layer
 remat training step (no dequantized weight kept alive for backward).
 
-    .venv/bin/python benchmarks/jax_layers.py      (qwix: pip install qwix==0.1.8)
+    .venv/bin/python -m q4.bench.jax_layers      (qwix: pip install qwix==0.1.8)
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median_ms, print_table, write_json  # noqa: E402
+from q4.bench._common import machine, median_ms, print_table, write_json
 
 N = K = 4096
 

@@ -2,16 +2,12 @@
 forward at batch 1 and 32 and a training step (forward + backward to the
 input), in one process.
 
-    .venv/bin/python benchmarks/layers.py
+    .venv/bin/python -m q4.bench.layers
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median_ms, print_table, write_json  # noqa: E402
+from q4.bench._common import machine, median_ms, print_table, write_json
 
 N = K = 4096
 

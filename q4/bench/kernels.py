@@ -2,7 +2,7 @@
 JAX op) beside bitsandbytes 0.50.2 in one process, with the machine's copy
 bandwidth as the floor.
 
-    .venv/bin/python benchmarks/kernels.py      # or: make bench
+    .venv/bin/python -m q4.bench.kernels      # or: q4 bench kernels
 
 Columns: median ms over repeats. "raw kernel" calls the C ABI with
 preallocated outputs; the PyTorch and JAX paths allocate their outputs as a
@@ -14,13 +14,9 @@ bandwidth counts bytes read + written per second (STREAM convention).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median_ms, print_table, write_json  # noqa: E402
+from q4.bench._common import machine, median_ms, print_table, write_json
 
 N = 4096
 

@@ -2,7 +2,7 @@
 q4 (raw kernel, PyTorch op, JAX op) beside bitsandbytes 0.50.2's Linear4bit,
 dense fp32 PyTorch and XLA, and dequantize + dense matmul, in one process.
 
-    .venv/bin/python benchmarks/matmul.py
+    .venv/bin/python -m q4.bench.matmul
 
 Reports medians in ms, ratios, and the batch-1 effective bandwidth (packed
 weight + scales bytes / time) against the machine's read bandwidth measured
@@ -11,11 +11,7 @@ in the same run.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, median_ms, print_table, write_json  # noqa: E402
+from q4.bench._common import machine, median_ms, print_table, write_json
 
 N = K = 4096
 

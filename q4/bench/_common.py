@@ -59,7 +59,7 @@ def _fmt(c) -> str:
 
 
 def write_json(name: str, record: dict) -> Path:
-    out = Path(os.environ.get("Q4_BENCH_DIR", Path(__file__).resolve().parent / "results"))
+    out = Path(os.environ.get("Q4_BENCH_DIR", "bench-results"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(record, indent=2))

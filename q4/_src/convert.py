@@ -1,0 +1,304 @@
+"""Quantize a float safetensors checkpoint into the shared format, streaming.
+
+Every 2-D floating-point ``*.weight`` whose layer name matches no skip pattern
+becomes a bitsandbytes-format quantized layer (4-bit: ``weight`` packed bytes,
+``weight.absmax`` ..., ``weight.quant_state.bitsandbytes__<type>``; 8-bit:
+``weight`` int8, ``SCB``, ``weight_format``); every other tensor is copied
+unchanged. Inputs are a ``.safetensors`` file, a sharded checkpoint's
+``*.index.json``, or a directory holding either.
+
+The work is planned before anything is written: every input header is parsed
+and checked, every quantized tensor's dtype is checked, so a bad input fails
+before any output exists. Tensors are then read (memory-mapped), quantized and
+written one at a time, so memory holds about one tensor: a checkpoint larger
+than memory works. Outputs are written to temporary files and renamed into
+place only when all of them are complete; an error or an interrupt leaves no
+partial output behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from q4._src import formats
+from q4._src.checkpoint import _NAMES, CheckpointError, Reader, Writer, header_bound, validate
+from q4._src.quant_state import QuantState
+from q4._src.weights import dequantize_weight_4bit, dequantize_weight_int8, quantize_weight_4bit, quantize_weight_int8
+
+TYPES = ("nf4", "fp4", "int8")
+# Layers that are 2-D ``.weight`` tensors but not linear layers (embeddings), or
+# that are conventionally kept in full precision (the output head).
+DEFAULT_SKIP = ("*embed*", "*wte", "*wpe", "lm_head", "*.lm_head")
+_FLOATS = ("float32", "float16", "bfloat16")
+_INDEX_SUFFIX = ".index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    quant_type: str = "nf4"  # 'nf4' | 'fp4' | 'int8'
+    blocksize: int = 64  # 4-bit only
+    nested: bool = True  # 4-bit only: quantize the absmax too (bitsandbytes' compress_statistics)
+    skip: tuple[str, ...] = ()  # fnmatch patterns on layer names (the key without '.weight')
+    default_skip: bool = True  # also skip DEFAULT_SKIP
+
+    def check(self) -> Options:
+        if self.quant_type not in TYPES:
+            raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {self.quant_type!r}")
+        if self.quant_type != "int8":
+            formats.check_blocksize(self.blocksize)
+        return self
+
+    def skipped(self, layer: str) -> str | None:
+        """The pattern that excludes this layer, or None."""
+        for pattern in (*self.skip, *(DEFAULT_SKIP if self.default_skip else ())):
+            if fnmatch.fnmatchcase(layer, pattern):
+                return pattern
+        return None
+
+
+@dataclasses.dataclass
+class LayerResult:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_before: int
+    bytes_after: int
+    rel_error: float  # ||W - dequantize(quantize(W))||_F / ||W||_F, in float64
+
+
+@dataclasses.dataclass
+class Result:
+    layers: list[LayerResult]
+    kept: list[str]  # tensors copied unchanged
+    skipped: dict[str, str]  # layer -> the skip pattern that kept it
+    bytes_in: int
+    bytes_out: int
+    outputs: list[Path]
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def input_files(src) -> tuple[list[Path], Path | None]:
+    """The shard files of a checkpoint and its index file (None if unsharded)."""
+    src = Path(src)
+    if src.is_dir():
+        indexes = sorted(src.glob("*" + _INDEX_SUFFIX))
+        files = sorted(src.glob("*.safetensors"))
+        if len(indexes) == 1:
+            src = indexes[0]
+        elif len(indexes) > 1:
+            raise CheckpointError(f"{src}: several index files ({', '.join(p.name for p in indexes)}); name one")
+        elif len(files) == 1:
+            return files, None
+        else:
+            raise CheckpointError(f"{src}: expected one .safetensors file or an index file, found {len(files)} files")
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such file")
+    if not src.name.endswith(_INDEX_SUFFIX):
+        return [src], None
+    try:
+        index = json.loads(src.read_text("utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{src}: not a safetensors index file ({e})") from e
+    shards = []
+    for name in weight_map.values():
+        path = src.parent / name
+        if Path(name).name != name:
+            raise CheckpointError(f"{src}: shard {name!r} must be a file name in the index's directory")
+        if path not in shards:
+            shards.append(path)
+    return shards, src
+
+
+# -------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass
+class _Shard:
+    reader: Reader
+    out: Path
+    quantize: list[str]  # weight keys to quantize
+    bound: int = 0
+
+
+def _plan_entries(reader: Reader, key: str, opts: Options) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """Upper bounds on the output tensors one quantized weight produces."""
+    shape = reader.shape(key)
+    prefix = key[: -len("weight")]
+    n = int(np.prod(shape))
+    if opts.quant_type == "int8":
+        return {
+            prefix + "weight": ("I8", shape, n),
+            prefix + "SCB": ("F32", (shape[0],), 4 * shape[0]),
+            prefix + "weight_format": ("U8", (), 1),
+        }
+    nb = formats.num_blocks(n, opts.blocksize)
+    # the quant_state JSON at its longest (the nested offset's repr is at most 24 characters)
+    state = QuantState(opts.quant_type, opts.blocksize, shape, "bfloat16", np.zeros(nb, np.float32))
+    if opts.nested:
+        state.nested_absmax, state.nested_offset = np.zeros(1, np.float32), -2.2250738585072014e-308
+    entries = {f"{prefix}weight": ("U8", (formats.packed_bytes(n), 1), formats.packed_bytes(n))}
+    n2 = formats.num_blocks(nb, formats.nested_blocksize())
+    for name, arr in state.to_dict().items():
+        size = {"absmax": nb * (1 if opts.nested else 4), "nested_absmax": 4 * n2}.get(name, arr.nbytes)
+        shape_ = {"absmax": (nb,), "nested_absmax": (n2,)}.get(name, arr.shape)
+        entries[f"{prefix}weight.{name}"] = ("U8" if arr.dtype == np.uint8 else "F32", shape_, size)
+    return entries
+
+
+def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Shard], dict[str, str]]:
+    shards, skipped, seen = [], {}, {}
+    try:
+        for path, out in zip(files, outs, strict=True):
+            shard = _Shard(Reader(path), out, [])
+            shards.append(shard)
+            r = shard.reader
+            entries, layer_meta = {}, {}
+            for key in r.keys():
+                if key in seen:
+                    raise CheckpointError(f"tensor '{key}' appears in both {seen[key]} and {path}")
+                seen[key] = path
+                if ".quant_state.bitsandbytes__" in key or key.endswith("SCB"):
+                    raise CheckpointError(f"{path}: tensor '{key}' shows the checkpoint is already quantized")
+                layer = key[: -len(".weight")]
+                if not key.endswith(".weight") or len(r.shape(key)) != 2:
+                    entries[key] = (_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
+                    continue
+                pattern = opts.skipped(layer)
+                if pattern is not None:
+                    skipped[layer] = pattern
+                    entries[key] = (_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
+                    continue
+                if r.dtype(key).name not in _FLOATS or 0 in r.shape(key):
+                    raise CheckpointError(
+                        f"{path}: tensor '{key}' is {r.dtype(key).name}{list(r.shape(key))}; q4 quantizes non-empty "
+                        f"float32, float16 or bfloat16 weights (keep it as is with --skip '{layer}')"
+                    )
+                shard.quantize.append(key)
+                entries.update(_plan_entries(r, key, opts))
+                layer_meta[layer] = {"name": layer, "shape": list(r.shape(key))}
+            # q4.layers: one JSON object per layer, at most this long
+            meta_bound = {
+                "format": "pt",
+                "q4.layers": " " * sum(len(json.dumps(m)) + 160 for m in layer_meta.values()),
+            }
+            shard.bound = header_bound(entries, meta_bound) + 2
+    except BaseException:
+        for shard in shards:
+            shard.reader.close()
+        raise
+    return shards, skipped
+
+
+def _outputs(files: list[Path], index: Path | None, dst: Path) -> tuple[list[Path], Path | None]:
+    if dst.name.endswith(".safetensors"):
+        if len(files) > 1:
+            raise CheckpointError(
+                f"{dst}: the input has {len(files)} shards; write them to a directory (or an *.index.json path)"
+            )
+        return [dst], None
+    out_dir = dst.parent if dst.name.endswith(_INDEX_SUFFIX) else dst
+    outs = [out_dir / f.name for f in files]
+    if index is None:
+        return outs, None
+    return outs, dst if dst.name.endswith(_INDEX_SUFFIX) else out_dir / index.name
+
+
+# --------------------------------------------------------------------- run
+
+
+def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndarray], LayerResult]:
+    w = r.read(key)
+    prefix = key[: -len("weight")]
+    if opts.quant_type == "int8":
+        cb, scb = quantize_weight_int8(w)
+        out = {prefix + "weight": cb, prefix + "SCB": scb, prefix + "weight_format": np.array(0, np.uint8)}
+        approx = dequantize_weight_int8(cb, scb)
+    else:
+        packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested)
+        out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
+        approx = dequantize_weight_4bit(packed, state)
+    ref = w.astype(np.float64)
+    norm = float(np.linalg.norm(ref))
+    err = float(np.linalg.norm(ref - approx)) / norm if norm > 0 else 0.0
+    res = LayerResult(key[:-7], w.shape, w.dtype.name, w.nbytes, sum(a.nbytes for a in out.values()), err)
+    return out, res
+
+
+def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, str], None] | None = None) -> Result:
+    """Quantize the checkpoint at ``src`` into ``dst`` (a ``.safetensors`` file,
+    or a directory / ``*.index.json`` path for sharded output, one output shard
+    per input shard). ``progress(done_bytes, total_bytes, tensor)`` is called
+    as the work advances."""
+    opts = opts.check()
+    dst = Path(dst)
+    files, index = input_files(src)
+    outs, out_index = _outputs(files, index, dst)
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{f}: no such file (listed in {index})")
+        if any(f.resolve() == o.resolve() for o in outs):
+            raise CheckpointError(f"{f}: the output would overwrite the input")
+    if not outs[0].parent.exists():
+        if out_index is None and len(outs) == 1:
+            raise CheckpointError(f"{outs[0].parent}: no such directory")
+        outs[0].parent.mkdir(parents=True)
+    shards, skipped = _plan(files, outs, opts)
+    writers: list[Writer] = []
+    layers, kept = [], []
+    weight_map: dict[str, str] = {}
+    total = sum(s.reader.nbytes(k) for s in shards for k in s.reader.keys())
+    done = 0
+    try:
+        for shard in shards:
+            r = shard.reader
+            w = Writer(shard.out, shard.bound)
+            writers.append(w)
+            quantize, layer_meta = set(shard.quantize), {}
+            for key in r.keys():
+                if progress:
+                    progress(done, total, key)
+                if key in quantize:
+                    tensors, res = _quantize_one(r, key, opts)
+                    layers.append(res)
+                    layer_meta.update(validate(tensors))
+                else:
+                    tensors = {key: r.view(key)}
+                    kept.append(key)
+                for name, arr in tensors.items():
+                    w.add(name, arr)
+                    weight_map[name] = shard.out.name
+                done += r.nbytes(key)
+            w.finish({"format": "pt", "q4.layers": json.dumps(layer_meta, sort_keys=True)})
+        if progress:
+            progress(total, total, "")
+        for w in writers:
+            w.publish()
+        if out_index is not None:
+            _write_index(out_index, weight_map, sum(w.size for w in writers))
+    finally:
+        for w in writers:
+            w.abort()
+        for shard in shards:
+            shard.reader.close()
+    return Result(
+        layers, kept, skipped, total, sum(o.stat().st_size for o in outs), outs + ([out_index] if out_index else [])
+    )
+
+
+def _write_index(path: Path, weight_map: dict[str, str], total_size: int) -> None:
+    blob = json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(blob, "utf-8")
+    os.replace(tmp, path)

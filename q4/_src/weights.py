@@ -1,0 +1,71 @@
+"""Whole weight matrices in the checkpoint formats, numpy in and out.
+
+The one place that turns a float W [out, in] into what a quantized layer
+stores (and back): used by the ``q4 quantize`` / ``q4 parity`` commands and by
+the front ends' host-side quantization, so the checkpoint bytes have a single
+source.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from q4._src import formats
+from q4._src.kernels import dequantize_4bit, dequantize_blockwise, int8_quantize_rows, quantize_4bit, quantize_nested
+from q4._src.quant_state import QuantState
+
+
+def quantize_weight_4bit(
+    w: np.ndarray, blocksize: int = 64, quant_type: str = "nf4", nested: bool = True
+) -> tuple[np.ndarray, QuantState]:
+    """(packed uint8 [ceil(n/2), 1], QuantState) of a float array, as a
+    bitsandbytes Linear4bit stores it; the state's dtype is w's dtype."""
+    w = np.asarray(w)
+    packed, absmax = quantize_4bit(w, blocksize, quant_type)
+    state = QuantState(quant_type, blocksize, tuple(int(s) for s in w.shape), w.dtype.name, absmax)
+    if nested:
+        codes, absmax2, offset = quantize_nested(absmax)
+        state.absmax, state.nested_absmax, state.nested_offset = codes, absmax2, float(offset)
+    return packed, state.validate()
+
+
+def state_absmax(state: QuantState) -> np.ndarray:
+    """The fp32 per-block absmax of a state (decoding nested statistics)."""
+    if not state.nested:
+        return np.asarray(state.absmax, np.float32)
+    return dequantize_blockwise(
+        state.absmax,
+        state.nested_absmax,
+        state.nested_blocksize,
+        code=formats.code_table("dynamic"),
+        offset=float(state.nested_offset),
+    )
+
+
+def dequantize_weight_4bit(packed: np.ndarray, state: QuantState, dtype: str = "float32") -> np.ndarray:
+    state.validate()
+    return dequantize_4bit(
+        np.asarray(packed).view(np.uint8), state_absmax(state), state.shape, state.blocksize, state.quant_type, dtype
+    )
+
+
+def quantize_weight_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(CB int8 [out, in], SCB fp32 [out]) of a 2-D float weight, as a
+    bitsandbytes Linear8bitLt stores it: rounded to float16 first."""
+    w = np.asarray(w)
+    if w.ndim != 2 or w.dtype.kind != "f" and w.dtype.name != "bfloat16":
+        raise ValueError(f"an int8 weight must be quantized from a 2-D float matrix, got {w.dtype} {w.shape}")
+    with np.errstate(over="ignore"):
+        w16 = np.ascontiguousarray(w.astype(np.float32).astype(np.float16))
+    cb, scb, _ = int8_quantize_rows(w16, 0.0)
+    bad = ~np.isfinite(scb)
+    if bad.any():
+        raise ValueError(
+            f"cannot quantize: weight rows {np.nonzero(bad)[0][:8].tolist()} are not finite after rounding to "
+            f"float16 (float16 holds at most 65504)"
+        )
+    return cb, scb
+
+
+def dequantize_weight_int8(cb: np.ndarray, scb: np.ndarray) -> np.ndarray:
+    return (np.asarray(cb, np.float32) * (np.asarray(scb, np.float32)[:, None] / np.float32(127))).astype(np.float32)

@@ -1,0 +1,395 @@
+"""The ``q4`` command: quantize, inspect and check checkpoints, and benchmark.
+
+    q4 quantize model.safetensors model-nf4.safetensors --type nf4
+    q4 inspect model-nf4.safetensors
+    q4 parity model-nf4.safetensors
+    q4 bench
+
+User mistakes (missing or corrupted files, bad options) print one line,
+``q4: error: ...``, and exit with status 1 (2 for a malformed command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+_EPILOG_QUANTIZE = """\
+Every 2-D float32/float16/bfloat16 tensor named '*.weight' becomes a quantized
+layer in the bitsandbytes format (loadable by q4torch.nn.Linear4bit /
+Linear8bitLt, q4jax.nn.Linear4bit / Linear8bit and bitsandbytes); everything
+else is copied unchanged. Layers whose name (the key without '.weight')
+matches --skip or one of the default patterns ({skip}) are kept.
+
+IN may be a .safetensors file, a sharded checkpoint's *.index.json, or a
+directory holding either. OUT is a .safetensors file, or for sharded input a
+directory (or *.index.json path) that receives one shard per input shard and
+a new index. Tensors are processed one at a time (a checkpoint larger than
+memory works); nothing is written under OUT's name until everything is done.
+
+examples:
+  q4 quantize model.safetensors model-nf4.safetensors
+  q4 quantize model.safetensors model-int8.safetensors --type int8
+  q4 quantize ckpt/model.safetensors.index.json ckpt-fp4/ --type fp4 --blocksize 128 --skip 'lm_head'
+"""
+
+
+class UserError(Exception):
+    """A mistake in the command's input: reported as one line, exit status 1."""
+
+
+# ----------------------------------------------------------------- output
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def table(header: list[str], rows: list[list], out=None) -> None:
+    """A plain-text table; the first column is left-aligned, the rest right-aligned."""
+    out = out or sys.stdout
+    cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for j, r in enumerate(cells):
+        line = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        print(line.rstrip(), file=out)
+        if j == 0:
+            print("  ".join("-" * w for w in widths), file=out)
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, label: str, unit: str = "bytes", enabled: bool | None = None):
+        self.label, self.unit = label, unit
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._last = 0.0
+        self._t0 = time.perf_counter()
+
+    def __call__(self, done: int, total: int, item: str) -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self._last < 0.1 and done < total):
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        count = f"{_human(done)}/{_human(total)}" if self.unit == "bytes" else f"{done}/{total}"
+        line = f"{self.label} {100 * frac:3.0f}% [{bar:<30}] {count} {item}"
+        sys.stderr.write("\r" + line[:120].ljust(120))
+        if done >= total:
+            sys.stderr.write(f"\r{' ' * 120}\r{self.label}: done in {now - self._t0:.1f} s\n")
+        sys.stderr.flush()
+
+
+# --------------------------------------------------------------- commands
+
+
+def cmd_quantize(args) -> int:
+    from q4._src.convert import Options, quantize_checkpoint
+
+    opts = Options(
+        quant_type=args.type,
+        blocksize=args.blocksize,
+        nested=not args.no_nested,
+        skip=tuple(args.skip),
+        default_skip=not args.no_default_skip,
+    )
+    res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
+    if not res.layers:
+        print("warning: no layer was quantized (every 2-D '*.weight' was skipped or none exists)", file=sys.stderr)
+    fmt = args.type if args.type == "int8" else f"{args.type}, block {args.blocksize}, nested {not args.no_nested}"
+    print(f"{args.input} -> {', '.join(str(p) for p in res.outputs)} ({fmt})")
+    if args.verbose and res.layers:
+        table(
+            ["layer", "shape", "dtype", "bytes before", "bytes after", "rel. error"],
+            [
+                [r.name, "x".join(map(str, r.shape)), r.dtype, r.bytes_before, r.bytes_after, f"{r.rel_error:.4f}"]
+                for r in res.layers
+            ],
+        )
+        print()
+    q_in = sum(r.bytes_before for r in res.layers)
+    q_out = sum(r.bytes_after for r in res.layers)
+    kept_bytes = res.bytes_in - q_in
+    errs = [r.rel_error for r in res.layers]
+    worst = max(res.layers, key=lambda r: r.rel_error, default=None)
+    rows = [
+        [
+            "quantized layers",
+            len(res.layers),
+            _human(q_in),
+            _human(q_out),
+            f"{sum(errs) / len(errs):.4f}" if errs else "-",
+        ],
+        ["other tensors (copied)", len(res.kept), _human(kept_bytes), _human(kept_bytes), "-"],
+        ["file(s)", "", _human(res.bytes_in), _human(res.bytes_out), ""],
+    ]
+    table(["", "count", "bytes before", "bytes after", "mean rel. error"], rows)
+    if worst is not None:
+        print(f"largest error: {worst.name} ({worst.rel_error:.4f}); rel. error = ||W - Q(W)||_F / ||W||_F")
+    if res.skipped:
+        print(
+            f"kept in full precision by --skip/default patterns: {len(res.skipped)} layers ({', '.join(list(res.skipped)[:4])}{', ...' if len(res.skipped) > 4 else ''})"
+        )
+    return 0
+
+
+def _files_of(path) -> list[Path]:
+    from q4._src.convert import input_files
+
+    return input_files(path)[0]
+
+
+def cmd_inspect(args) -> int:
+    from q4._src.checkpoint import CheckpointError, Reader, validate
+
+    rows, n_layers, q_bytes, dense_bytes, total, other, files = [], 0, 0, 0, 0, 0, _files_of(args.file)
+    for path in files:
+        with Reader(path) as r:
+            views = {k: r.view(k) for k in r.keys()}
+            layers = validate(views)
+            stored = r.metadata.get("q4.layers")
+            if stored is not None:
+                try:
+                    stored = json.loads(stored)
+                except json.JSONDecodeError as e:
+                    raise CheckpointError(f"{path}: metadata 'q4.layers' is not valid JSON: {e}") from e
+                for name, meta in layers.items():
+                    if stored.get(name) != meta:
+                        raise CheckpointError(
+                            f"{path}: layer '{name}': metadata says {stored.get(name)}, the tensors say {meta}"
+                        )
+            layer_keys = set()
+            for name, meta in layers.items():
+                keys = [k for k in views if _belongs(k, name)]
+                layer_keys.update(keys)
+                nbytes = sum(r.nbytes(k) for k in keys)
+                shape = meta["shape"]
+                if meta["kind"] == "Linear4bit":
+                    kind, block, nested = meta["quant_type"], meta["blocksize"], "yes" if meta["nested"] else "no"
+                else:
+                    kind, block, nested = "int8", "row", "-"
+                rows.append([name, "x".join(map(str, shape)), kind, block, nested, nbytes])
+                n_layers += 1
+                q_bytes += nbytes
+                dense_bytes += 4 * math.prod(shape)
+            other += sum(r.nbytes(k) for k in views if k not in layer_keys)
+            total += path.stat().st_size
+    if rows:
+        table(["layer", "shape", "type", "block", "nested", "bytes"], rows)
+        print()
+    else:
+        print("no quantized layers in this checkpoint")
+    summary = [
+        ["quantized layers", n_layers, _human(q_bytes)],
+        ["  same weights in fp32", "", _human(dense_bytes)],
+        ["other tensors", "", _human(other)],
+        [f"file{'s' if len(files) > 1 else ''} ({len(files)})", "", _human(total)],
+    ]
+    table(["totals", "count", "bytes"], summary)
+    if q_bytes:
+        print(
+            f"quantized layers take {q_bytes / dense_bytes:.1%} of their fp32 size ({dense_bytes / q_bytes:.2f}x smaller)"
+        )
+    return 0
+
+
+def _belongs(key: str, layer: str) -> bool:
+    if not key.startswith(layer + "."):
+        return False
+    rest = key[len(layer) + 1 :]
+    return rest in ("weight", "SCB", "weight_format") or rest.startswith("weight.")
+
+
+def cmd_parity(args) -> int:
+    from q4.parity import check_file
+
+    files = _files_of(args.file)
+    checks = []
+    for path in files:
+        checks += check_file(
+            path,
+            batch=args.batch,
+            seed=args.seed,
+            layers=args.layer or None,
+            progress=Progress("parity", "layers", args.progress),
+        )
+    if args.layer:
+        missing = sorted(set(args.layer) - {c.name for c in checks})
+        if missing:
+            raise UserError(f"no quantized layer named {', '.join(map(repr, missing))} in {args.file}")
+    if not checks:
+        raise UserError(f"{args.file} has no quantized layers to check")
+    rows = []
+    for c in checks:
+        fmt = (
+            "int8"
+            if c.spec.kind == "8bit"
+            else f"{c.spec.quant_type}/{c.spec.blocksize}{'/nested' if c.spec.nested else ''}"
+        )
+        rows.append(
+            [
+                c.name,
+                fmt,
+                "yes" if c.bytes_identical else "NO",
+                f"{c.err['q4torch']:.2e}",
+                f"{c.err['q4jax']:.2e}",
+                f"{max(c.ratio.values()):.3f}",
+                f"{c.cross:.2e}",
+                "ok" if c.ok else "FAIL",
+            ]
+        )
+    table(["layer", "format", "bytes identical", "torch err", "jax err", "err/bound", "torch-jax", "result"], rows)
+    bad = [c for c in checks if not c.ok]
+    print(
+        f"\n{len(checks) - len(bad)}/{len(checks)} layers pass. err: max |output or input gradient - fp64 reference| "
+        f"on random inputs (batch {args.batch}, seed {args.seed}); bound: the fp32 rounding bound "
+        "(+ int8 activation rounding for 8-bit layers)."
+    )
+    return 1 if bad else 0
+
+
+_BENCHES = {
+    "kernels": "q4.bench.kernels",
+    "matmul": "q4.bench.matmul",
+    "layers": "q4.bench.layers",
+    "jax": "q4.bench.jax_layers",
+}
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    unknown = [n for n in args.which if n not in _BENCHES]
+    if unknown:
+        raise UserError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(_BENCHES)}")
+    for name in args.which or list(_BENCHES):
+        print(f"== q4 bench {name}")
+        try:
+            module = importlib.import_module(_BENCHES[name])
+            module.main()
+        except ModuleNotFoundError as e:
+            raise UserError(f"'q4 bench {name}' needs {e.name} (pip install 'q4[test]')") from e
+    return 0
+
+
+# ------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from q4._src.convert import DEFAULT_SKIP
+
+    p = argparse.ArgumentParser(
+        prog="q4",
+        description="4-bit (NF4/FP4) and 8-bit weight quantization for PyTorch and JAX, one checkpoint format.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run 'q4 COMMAND --help' for a command's options.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draw a progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+    q = sub.add_parser(
+        "quantize",
+        parents=[progress],
+        help="quantize a safetensors checkpoint's linear weights",
+        description="Quantize the linear weights of a safetensors checkpoint into q4's (bitsandbytes') format.",
+        epilog=_EPILOG_QUANTIZE.format(skip=", ".join(DEFAULT_SKIP)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    q.add_argument("input", metavar="IN", help="float checkpoint: .safetensors file, *.index.json, or directory")
+    q.add_argument("output", metavar="OUT", help="quantized checkpoint: .safetensors file (or directory for shards)")
+    q.add_argument("--type", choices=["nf4", "fp4", "int8"], default="nf4", help="format (default: nf4)")
+    q.add_argument(
+        "--blocksize",
+        type=int,
+        default=64,
+        metavar="N",
+        help="4-bit block size, a power of two in [32, 4096] (default: 64)",
+    )
+    q.add_argument("--no-nested", action="store_true", help="4-bit: keep the fp32 absmax (no nested 8-bit statistics)")
+    q.add_argument(
+        "--skip",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="keep layers matching these fnmatch patterns unquantized",
+    )
+    q.add_argument(
+        "--no-default-skip", action="store_true", help="do not skip the default patterns (embeddings, lm_head)"
+    )
+    q.add_argument("-v", "--verbose", action="store_true", help="print one row per quantized layer")
+    q.set_defaults(func=cmd_quantize)
+
+    i = sub.add_parser(
+        "inspect",
+        help="list the quantized layers of a checkpoint",
+        description="List the quantized layers of a checkpoint (validating every one) and the file's totals.",
+    )
+    i.add_argument("file", metavar="FILE", help=".safetensors file, *.index.json, or directory")
+    i.set_defaults(func=cmd_inspect)
+
+    c = sub.add_parser(
+        "parity",
+        parents=[progress],
+        help="check that PyTorch and JAX load and run a checkpoint identically",
+        description=(
+            "Load every quantized layer in q4torch and in q4jax, check that both hold the file's exact bytes, and "
+            "compare their outputs and input gradients on random inputs with an fp64 reference computed from the "
+            "stored weights. Exits with status 1 if any layer fails."
+        ),
+    )
+    c.add_argument("file", metavar="FILE", help=".safetensors file, *.index.json, or directory")
+    c.add_argument("--batch", type=int, default=4, metavar="N", help="rows of random input per layer (default: 4)")
+    c.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    c.add_argument("--layer", nargs="+", metavar="NAME", help="check only these layers")
+    c.set_defaults(func=cmd_parity)
+
+    b = sub.add_parser(
+        "bench",
+        help="run the benchmarks on this machine",
+        description=(
+            "Time q4's kernels, fused matmuls and layers beside bitsandbytes (and qwix for JAX, when installed) and "
+            "dense baselines in one process; prints tables and writes JSON under $Q4_BENCH_DIR (default ./bench-results)."
+        ),
+    )
+    b.add_argument("which", nargs="*", metavar="NAME", help=f"any of: {', '.join(_BENCHES)} (default: all)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "batch", 1) < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    from q4._src.checkpoint import CheckpointError
+    from q4._src.native import NativeLibraryError
+    from q4._src.quant_state import QuantStateError
+
+    try:
+        return args.func(args)
+    except (UserError, CheckpointError, QuantStateError, NativeLibraryError, ValueError, OSError) as e:
+        msg = str(e) or type(e).__name__
+        print(f"q4: error: {msg.splitlines()[0] if msg else msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("q4: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
