@@ -236,8 +236,33 @@ class Reader:
         return self._map[self._start + begin : self._start + end].view(dtype).reshape(shape)
 
     def read(self, key: str) -> np.ndarray:
-        """The tensor as a fresh, aligned, writable array."""
-        return np.array(self.view(key))
+        """The tensor as a fresh, aligned, writable array (read with pread: the
+        file's pages are not kept mapped)."""
+        dtype, shape, begin, end = self._entries[key]
+        out = np.empty(shape, dtype)
+        buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        pos, fd = 0, self._file.fileno()
+        while pos < end - begin:
+            n = os.preadv(fd, [buf[pos:]], self._start + begin + pos)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: tensor '{key}' ends early (the file shrank while reading)")
+            pos += n
+        return out
+
+    def chunks(self, key: str, size: int = 16 << 20):
+        """The tensor's raw bytes in pieces of at most ``size`` bytes."""
+        _, _, begin, end = self._entries[key]
+        fd = self._file.fileno()
+        for pos in range(begin, end, size):
+            data = os.pread(fd, min(size, end - pos), self._start + pos)
+            if not data:
+                raise CheckpointError(f"{self.path}: tensor '{key}' ends early (the file shrank while reading)")
+            yield data
+
+    def copy_to(self, writer: Writer, key: str) -> None:
+        """Append this tensor to ``writer`` unchanged, a piece at a time."""
+        dtype, shape, _, _ = self._entries[key]
+        writer.add_raw(key, _NAMES[dtype.name], shape, self.chunks(key))
 
     def close(self) -> None:
         self._map = None
@@ -274,20 +299,27 @@ class Writer:
         self._offset = 0
 
     def add(self, key: str, value) -> None:
+        arr = np.asarray(value)  # (np.ascontiguousarray would turn a 0-d array into 1-d)
+        if not arr.flags.c_contiguous:
+            arr = arr.copy(order="C")
+        self.add_raw(key, _dtype_name(arr, key), arr.shape, [arr.reshape(-1).view(np.uint8)] if arr.size else [])
+
+    def add_raw(self, key: str, dtype: str, shape, pieces) -> None:
+        """Append a tensor given as its safetensors dtype, shape and byte pieces."""
         if not isinstance(key, str) or not key:
             raise CheckpointError(f"tensor names must be non-empty strings, got {key!r}")
         if key in self._header:
             raise CheckpointError(f"tensor '{key}' written twice")
-        arr = np.asarray(value)  # (np.ascontiguousarray would turn a 0-d array into 1-d)
-        if not arr.flags.c_contiguous:
-            arr = arr.copy(order="C")
-        self._header[key] = {
-            "dtype": _dtype_name(arr, key),
-            "shape": list(arr.shape),
-            "data_offsets": [self._offset, self._offset + arr.nbytes],
-        }
-        self._file.write(memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b"")
-        self._offset += arr.nbytes
+        begin = self._offset
+        for piece in pieces:
+            self._file.write(piece)
+            self._offset += memoryview(piece).nbytes
+        want = math.prod(shape) * _np_dtype(_DTYPES[dtype]).itemsize
+        if self._offset - begin != want:
+            raise CheckpointError(
+                f"tensor '{key}': {self._offset - begin} bytes written, {dtype}{list(shape)} needs {want}"
+            )
+        self._header[key] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [begin, self._offset]}
 
     def finish(self, metadata: dict[str, str] | None = None) -> None:
         """Write the header and flush; the file stays temporary until publish()."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -166,11 +167,12 @@ def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Sha
             r = shard.reader
             entries, layer_meta = {}, {}
             for key in r.keys():
+                if ".quant_state.bitsandbytes__" in key or key.endswith("SCB"):
+                    raise CheckpointError(f"{path}: tensor '{key}' shows the checkpoint is already quantized")
+            for key in r.keys():
                 if key in seen:
                     raise CheckpointError(f"tensor '{key}' appears in both {seen[key]} and {path}")
                 seen[key] = path
-                if ".quant_state.bitsandbytes__" in key or key.endswith("SCB"):
-                    raise CheckpointError(f"{path}: tensor '{key}' shows the checkpoint is already quantized")
                 layer = key[: -len(".weight")]
                 if not key.endswith(".weight") or len(r.shape(key)) != 2:
                     entries[key] = (_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
@@ -229,11 +231,21 @@ def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndar
         packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested)
         out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
         approx = dequantize_weight_4bit(packed, state)
-    ref = w.astype(np.float64)
-    norm = float(np.linalg.norm(ref))
-    err = float(np.linalg.norm(ref - approx)) / norm if norm > 0 else 0.0
+    err = _rel_error(w, approx)
     res = LayerResult(key[:-7], w.shape, w.dtype.name, w.nbytes, sum(a.nbytes for a in out.values()), err)
     return out, res
+
+
+def _rel_error(w: np.ndarray, approx: np.ndarray, rows: int = 1 << 16) -> float:
+    """||w - approx||_F / ||w||_F in float64, a few rows at a time (bounded memory)."""
+    w2, a2 = w.reshape(w.shape[0], -1), approx.reshape(w.shape[0], -1)
+    step = max(1, rows // max(1, w2.shape[1]))
+    num = den = 0.0
+    for i in range(0, w2.shape[0], step):
+        ref = w2[i : i + step].astype(np.float64)
+        num += float(np.sum((ref - a2[i : i + step]) ** 2))
+        den += float(np.sum(ref**2))
+    return math.sqrt(num / den) if den > 0 else 0.0
 
 
 def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, str], None] | None = None) -> Result:
@@ -273,12 +285,14 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
                     tensors, res = _quantize_one(r, key, opts)
                     layers.append(res)
                     layer_meta.update(validate(tensors))
+                    for name, arr in tensors.items():
+                        w.add(name, arr)
+                        weight_map[name] = shard.out.name
+                    del tensors
                 else:
-                    tensors = {key: r.view(key)}
+                    r.copy_to(w, key)
                     kept.append(key)
-                for name, arr in tensors.items():
-                    w.add(name, arr)
-                    weight_map[name] = shard.out.name
+                    weight_map[key] = shard.out.name
                 done += r.nbytes(key)
             w.finish({"format": "pt", "q4.layers": json.dumps(layer_meta, sort_keys=True)})
         if progress:
