@@ -21,8 +21,8 @@ install: $(VENV)/.build-deps
 	$(BIN)/pip install -q --no-build-isolation ".[test]"
 
 lint: install
-	$(BIN)/ruff check q4 q4torch q4jax tests benchmarks examples
-	$(BIN)/ruff format --check q4 q4torch q4jax tests benchmarks examples
+	$(BIN)/ruff check q4 q4torch q4jax tests examples
+	$(BIN)/ruff format --check q4 q4torch q4jax tests examples
 	$(BIN)/clang-format --dry-run --Werror $(shell git ls-files 'kernels/*.h' 'kernels/*.cc' 'kernels/*.cu' 'kernels/*.cuh')
 
 bazel: install
@@ -35,14 +35,11 @@ test: lint bazel
 	Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/reference -q
 
 demo: install
-	$(BIN)/python examples/quickstart.py
+	HF_HUB_OFFLINE=1 $(BIN)/python examples/minilm/demo.py
 
 bench: install
 	$(BIN)/pip install -q "qwix==0.1.8"
-	$(BIN)/python benchmarks/kernels.py
-	$(BIN)/python benchmarks/matmul.py
-	$(BIN)/python benchmarks/layers.py
-	$(BIN)/python benchmarks/jax_layers.py
+	$(BIN)/q4 bench
 
 clean:
 	rm -rf build $(VENV)

@@ -105,7 +105,7 @@ def cmd_quantize(args) -> int:
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
     if not res.layers:
         print("warning: no layer was quantized (every 2-D '*.weight' was skipped or none exists)", file=sys.stderr)
-    fmt = args.type if args.type == "int8" else f"{args.type}, block {args.blocksize}, nested {not args.no_nested}"
+    fmt = args.type if args.type == "int8" else f"{args.type}, block {args.blocksize}, {'plain' if args.no_nested else 'nested'} absmax"
     print(f"{args.input} -> {', '.join(str(p) for p in res.outputs)} ({fmt})")
     if args.verbose and res.layers:
         table(
