@@ -1,0 +1,101 @@
+"""all-MiniLM-L6-v2 as a small torch.nn.Module whose parameter names are the
+checkpoint's keys, so ``load_state_dict`` takes the safetensors file as is,
+dense or quantized by q4 (bitsandbytes-format 4-bit or 8-bit layers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import q4torch
+
+from . import common
+from .common import HEADS, HIDDEN, INTERMEDIATE, LAYER_NORM_EPS
+
+
+def _dense_norm(n_in: int, n_out: int) -> nn.ModuleDict:
+    return nn.ModuleDict({"dense": nn.Linear(n_in, n_out), "LayerNorm": nn.LayerNorm(n_out, eps=LAYER_NORM_EPS)})
+
+
+class Embeddings(nn.Module):
+    """Word + token type 0 + absolute position embeddings, then LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(common.VOCAB, HIDDEN)
+        self.position_embeddings = nn.Embedding(common.MAX_POSITIONS, HIDDEN)
+        self.token_type_embeddings = nn.Embedding(common.TYPE_VOCAB, HIDDEN)
+        self.LayerNorm = nn.LayerNorm(HIDDEN, eps=LAYER_NORM_EPS)
+        self.register_buffer("position_ids", torch.arange(common.MAX_POSITIONS)[None])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids) + self.token_type_embeddings.weight[0]
+        x = x + self.position_embeddings(self.position_ids[:, : ids.shape[1]])
+        return self.LayerNorm(x)
+
+
+class Layer(nn.Module):
+    """One post-LayerNorm BERT block: self-attention, then a GELU feed-forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.ModuleDict(
+            {
+                "self": nn.ModuleDict({name: nn.Linear(HIDDEN, HIDDEN) for name in ("query", "key", "value")}),
+                "output": _dense_norm(HIDDEN, HIDDEN),
+            }
+        )
+        self.intermediate = nn.ModuleDict({"dense": nn.Linear(HIDDEN, INTERMEDIATE)})
+        self.output = _dense_norm(INTERMEDIATE, HIDDEN)
+
+    def forward(self, x: torch.Tensor, mask_bias: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        att = self.attention
+        q, k, v = (att["self"][n](x).view(b, t, HEADS, -1).transpose(1, 2) for n in ("query", "key", "value"))
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_bias).transpose(1, 2).reshape(b, t, HIDDEN)
+        x = att["output"]["LayerNorm"](att["output"]["dense"](ctx) + x)
+        h = F.gelu(self.intermediate["dense"](x))
+        return self.output["LayerNorm"](self.output["dense"](h) + x)
+
+
+class MiniLM(nn.Module):
+    """The BERT encoder; ``forward(ids, mask)`` returns the last hidden state."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = Embeddings()
+        self.encoder = nn.ModuleDict({"layer": nn.ModuleList([Layer() for _ in range(common.LAYERS)])})
+        # unused by the sentence embedding; kept so that every checkpoint key has a home
+        self.pooler = nn.ModuleDict({"dense": nn.Linear(HIDDEN, HIDDEN)})
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # additive mask: padded keys get the most negative float, so exp() underflows to 0
+        mask_bias = (1.0 - mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        x = self.embeddings(ids)
+        for layer in self.encoder["layer"]:
+            x = layer(x, mask_bias)
+        return x
+
+
+def load(tensors: dict[str, np.ndarray]) -> MiniLM:
+    """A MiniLM (eval mode, CPU) holding ``tensors``: the fp32 checkpoint, or
+    one whose linear layers q4 / bitsandbytes quantized (each such layer is
+    first replaced by q4torch's Linear4bit / Linear8bitLt, then loaded)."""
+    model = MiniLM()
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    for quant_type, prefixes in common.quantized_layers(tensors).items():
+        q4torch.replace_linear(model, quant_type, skip=common.dense_except(linears, prefixes))
+    model.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in tensors.items()})
+    return model.eval().requires_grad_(False)
+
+
+def embed(model: MiniLM, sentences, batch_size: int = 32) -> np.ndarray:
+    """Unit-norm sentence embeddings float32 [n, 384]."""
+
+    def forward(ids, mask):
+        with torch.inference_mode():
+            return model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
+
+    return common.embed_with(forward, sentences, batch_size)
