@@ -99,3 +99,34 @@ def embed(model: MiniLM, sentences, batch_size: int = 32) -> np.ndarray:
             return model(torch.from_numpy(ids), torch.from_numpy(mask)).numpy()
 
     return common.embed_with(forward, sentences, batch_size)
+
+
+def with_bitsandbytes(model: MiniLM, quant_type: str = "nf4", blocksize: int = 64, nested: bool = True) -> MiniLM:
+    """A copy of ``model`` with every nn.Linear replaced by bitsandbytes'
+    Linear4bit (the peer q4 is compared with; fp32 compute)."""
+    import copy
+
+    import bitsandbytes as bnb
+
+    model = copy.deepcopy(model)
+    for name, lin in list(model.named_modules()):
+        if type(lin) is not nn.Linear:
+            continue
+        layer = bnb.nn.Linear4bit(
+            lin.in_features,
+            lin.out_features,
+            compute_dtype=torch.float32,
+            compress_statistics=nested,
+            quant_type=quant_type,
+            device="meta",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            lin.weight.detach().clone(),
+            requires_grad=False,
+            blocksize=blocksize,
+            compress_statistics=nested,
+            quant_type=quant_type,
+        )
+        layer.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
+        model.set_submodule(name, layer.to("cpu"))  # quantizes on the move
+    return model

