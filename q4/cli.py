@@ -105,7 +105,11 @@ def cmd_quantize(args) -> int:
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
     if not res.layers:
         print("warning: no layer was quantized (every 2-D '*.weight' was skipped or none exists)", file=sys.stderr)
-    fmt = args.type if args.type == "int8" else f"{args.type}, block {args.blocksize}, {'plain' if args.no_nested else 'nested'} absmax"
+    fmt = (
+        args.type
+        if args.type == "int8"
+        else f"{args.type}, block {args.blocksize}, {'plain' if args.no_nested else 'nested'} absmax"
+    )
     print(f"{args.input} -> {', '.join(str(p) for p in res.outputs)} ({fmt})")
     if args.verbose and res.layers:
         table(
@@ -149,7 +153,7 @@ def _files_of(path) -> list[Path]:
 
 
 def cmd_inspect(args) -> int:
-    from q4._src.checkpoint import CheckpointError, Reader, validate
+    from q4._src.checkpoint import CheckpointError, Reader, layer_keys, validate
 
     rows, n_layers, q_bytes, dense_bytes, total, other, files = [], 0, 0, 0, 0, 0, _files_of(args.file)
     for path in files:
@@ -167,10 +171,10 @@ def cmd_inspect(args) -> int:
                         raise CheckpointError(
                             f"{path}: layer '{name}': metadata says {stored.get(name)}, the tensors say {meta}"
                         )
-            layer_keys = set()
+            owned = set()
             for name, meta in layers.items():
-                keys = [k for k in views if _belongs(k, name)]
-                layer_keys.update(keys)
+                keys = layer_keys(views, name)
+                owned.update(keys)
                 nbytes = sum(r.nbytes(k) for k in keys)
                 shape = meta["shape"]
                 if meta["kind"] == "Linear4bit":
@@ -181,7 +185,7 @@ def cmd_inspect(args) -> int:
                 n_layers += 1
                 q_bytes += nbytes
                 dense_bytes += 4 * math.prod(shape)
-            other += sum(r.nbytes(k) for k in views if k not in layer_keys)
+            other += sum(r.nbytes(k) for k in views if k not in owned)
             total += path.stat().st_size
     if rows:
         table(["layer", "shape", "type", "block", "nested", "bytes"], rows)
@@ -200,13 +204,6 @@ def cmd_inspect(args) -> int:
             f"quantized layers take {q_bytes / dense_bytes:.1%} of their fp32 size ({dense_bytes / q_bytes:.2f}x smaller)"
         )
     return 0
-
-
-def _belongs(key: str, layer: str) -> bool:
-    if not key.startswith(layer + "."):
-        return False
-    rest = key[len(layer) + 1 :]
-    return rest in ("weight", "SCB", "weight_format") or rest.startswith("weight.")
 
 
 def cmd_parity(args) -> int:

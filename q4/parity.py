@@ -241,13 +241,10 @@ class LayerCheck:
 
 
 def _layer_entries(tensors, layer: str) -> dict[str, np.ndarray]:
-    out = {}
-    for key in tensors:
-        if key.startswith(layer + "."):
-            rest = key[len(layer) + 1 :]
-            if rest in ("weight", "bias", "SCB", "weight_format") or rest.startswith("weight."):
-                out[rest] = np.array(tensors[key])
-    return out
+    from q4._src.checkpoint import layer_keys
+
+    keys = layer_keys(tensors, layer) + ([f"{layer}.bias"] if f"{layer}.bias" in tensors else [])
+    return {key[len(layer) + 1 :]: np.array(tensors[key]) for key in keys}
 
 
 def _reference_weight(spec: Spec, entries: dict[str, np.ndarray]) -> np.ndarray:

@@ -82,6 +82,18 @@ def _layer_prefixes(tensors: dict[str, np.ndarray]) -> dict[str, str]:
     return layers
 
 
+def layer_keys(keys, layer: str) -> list[str]:
+    """The keys of one quantized layer's stored weight (``weight``, ``weight.*``,
+    ``SCB``, ``weight_format``; not its bias) among ``keys``."""
+    out = []
+    for key in keys:
+        if key.startswith(layer + "."):
+            rest = key[len(layer) + 1 :]
+            if rest in ("weight", "SCB", "weight_format") or rest.startswith("weight."):
+                out.append(key)
+    return out
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
