@@ -10,12 +10,19 @@ Differences from bitsandbytes 0.50.2, all deliberate fixes:
 - a forward never changes a parameter's dtype (the bias is cast on a copy);
 - the backward uses the packed weight saved by the forward
   (``save_for_backward``), so recompute under activation checkpointing with
-  streamed weights is correct.
+  streamed weights is correct;
+- under FSDP2 (``torch.distributed.fsdp.fully_shard``), which replaces the
+  weight by a DTensor and then by a plain all-gathered parameter, the layer
+  keeps the complete QuantState (``module.quant_state``), attaches it to
+  whatever parameter FSDP installs, and checks that the bytes it receives are
+  the packed bytes in their storage dtype (a float cast of packed bytes is
+  refused, never computed with). See ``q4torch.fully_shard``.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any
 
 import torch
@@ -149,6 +156,7 @@ class Params4bit(nn.Parameter):
         )
         if module is not None:
             module.quant_state = quant_state
+            module.quant_storage = data.dtype
         return self
 
     # -- quantization
@@ -170,6 +178,7 @@ class Params4bit(nn.Parameter):
         self.quant_state = quant_state
         if self.module is not None:
             self.module.quant_state = quant_state
+            self.module.quant_storage = packed.dtype
         self.bnb_quantized = True
         return self
 
@@ -245,6 +254,41 @@ def _check_packed(data: torch.Tensor, quant_state: F.QuantState, key: str) -> No
         )
 
 
+def _is_dtensor(t: Any) -> bool:
+    """Whether t is a DTensor (without importing torch.distributed when nothing else has)."""
+    tensor_mod = sys.modules.get("torch.distributed.tensor")
+    return tensor_mod is not None and isinstance(t, tensor_mod.DTensor)
+
+
+# Attributes a Params4bit resolves from its QuantState, set as plain attributes on a
+# parameter that FSDP2 installs in its place (a DTensor shard or the all-gathered tensor),
+# so that code reading ``layer.weight.quant_state`` and state-dict traversal by getattr
+# (torch.distributed.checkpoint.state_dict resolves "weight.absmax") keep working.
+_PROXIES = {
+    "absmax": lambda qs: qs.absmax,
+    "quant_map": lambda qs: qs.code,
+    "nested_absmax": lambda qs: qs.state2.absmax if qs.nested else None,
+    "nested_quant_map": lambda qs: qs.state2.code if qs.nested else None,
+}
+
+
+def _attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
+    """Let a parameter that is not a Params4bit carry the layer's QuantState
+    (the same object: the layer's state stays the one source of truth)."""
+    param.quant_state = quant_state
+    param.quant_type = quant_state.quant_type
+    param.blocksize = quant_state.blocksize
+    param.compress_statistics = quant_state.nested
+    param.quant_storage = param.dtype
+    param.bnb_quantized = True
+    for name, get in _PROXIES.items():
+        value = get(quant_state)
+        if value is not None:
+            setattr(param, name, value)
+        else:
+            param.__dict__.pop(name, None)
+
+
 class Linear4bit(nn.Linear):
     """A linear layer with a 4-bit weight (NF4 or FP4, blockwise, optionally
     nested absmax), as bitsandbytes.nn.Linear4bit.
@@ -286,15 +330,53 @@ class Linear4bit(nn.Linear):
         self.weight.module = self
         self.weight.quantize()
         self.quant_state = self.weight.quant_state
+        self.quant_storage = self.weight.dtype
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_weight(self) -> tuple[torch.Tensor, F.QuantState]:
+        """The packed weight the forward computes with, and its QuantState.
+
+        A Params4bit carries its own state. Any other parameter (FSDP2 installs
+        the all-gathered bytes as a plain tensor) is the packed weight only if
+        its dtype is the layer's ``quant_storage`` and its size that of the
+        packed bytes; the layer's ``quant_state`` describes it. A DTensor (a
+        shard) or a cast copy is refused with the offending value in the error:
+        viewing cast bytes as packed codes would compute with other weights.
+        """
         weight = self.weight
-        quant_state = getattr(weight, "quant_state", None) or self.quant_state
-        if not getattr(weight, "bnb_quantized", quant_state is not None) or quant_state is None:
+        if isinstance(weight, Params4bit):
+            quant_state = weight.quant_state or self.quant_state
+            if not weight.bnb_quantized or quant_state is None:
+                raise RuntimeError(
+                    "Linear4bit weight is not quantized yet: call .to(device) or .quantize() before the forward"
+                )
+            return weight, quant_state
+        quant_state = self.quant_state
+        if quant_state is None:
             raise RuntimeError(
-                "Linear4bit weight is not quantized yet: call .to(device) or .quantize() before the forward"
+                f"Linear4bit weight is a {type(weight).__name__} and the layer has no quant_state: "
+                "quantize the layer (or load a quantized checkpoint) before wrapping it"
             )
+        if _is_dtensor(weight):
+            raise RuntimeError(
+                f"Linear4bit weight is a DTensor shard (placements {tuple(weight.placements)}, local shape "
+                f"{tuple(weight.to_local().shape)}): run the forward through the module fully_shard was applied "
+                "to, or unshard() it first"
+            )
+        if weight.dtype != self.quant_storage:
+            raise TypeError(
+                f"Linear4bit weight arrived as {weight.dtype}, but its packed bytes are stored as "
+                f"{self.quant_storage}: something cast the packed 4-bit bytes as floats (for example FSDP's "
+                f"MixedPrecisionPolicy(param_dtype={weight.dtype})), which rewrites them. Use param_dtype=None "
+                f"or {self.quant_storage}, or quant_storage=torch.uint8 (FSDP never casts integer parameters)"
+            )
+        _check_packed(weight, quant_state, "weight")
+        if weight.__dict__.get("quant_state") is not quant_state:
+            _attach_quant_state(weight, quant_state)
+        return weight, quant_state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, quant_state = self.packed_weight()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, this layer expects in_features={self.in_features}")
         compute = self.compute_dtype if self.compute_dtype is not None else x.dtype
@@ -306,7 +388,13 @@ class Linear4bit(nn.Linear):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        quant_state = getattr(self.weight, "quant_state", None)
+        weight = self.weight
+        if isinstance(weight, Params4bit):
+            quant_state = weight.quant_state
+        else:  # a parameter installed by FSDP2 (a DTensor shard): the layer holds the state
+            quant_state = self.quant_state
+            if quant_state is not None:
+                _attach_quant_state(weight, quant_state)
         if quant_state is not None:
             for key, value in quant_state.as_dict(packed=True).items():
                 destination[prefix + "weight." + key] = value if keep_vars else value.detach()
@@ -328,7 +416,9 @@ class Linear4bit(nn.Linear):
         data = state_dict[weight_key]
         device = self.weight.device
         try:
-            if any(k.startswith(weight_key + "." + _JSON_KEY) for k in quant_keys):
+            if _is_dtensor(self.weight):
+                self._load_sharded(weight_key, data, {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys})
+            elif any(k.startswith(weight_key + "." + _JSON_KEY) for k in quant_keys):
                 stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
                 new = Params4bit.from_prequantized(data, stats, device=device, module=self)
                 if tuple(new.quant_state.shape) != (self.out_features, self.in_features):
@@ -367,6 +457,45 @@ class Linear4bit(nn.Linear):
                     self.quantize()
         except (ValueError, TypeError) as e:
             errs.append(f"while loading '{weight_key}': {e}")
+
+    def _load_sharded(self, weight_key: str, data: torch.Tensor, stats: dict[str, Any]) -> None:
+        """Load a quantized checkpoint into a weight that FSDP2 has sharded (a DTensor).
+
+        ``data`` must be a DTensor too (a state dict of a sharded model, as
+        DCP loads it, or a whole checkpoint distributed by
+        ``set_model_state_dict(..., options=StateDictOptions(full_state_dict=True))``),
+        in the weight's storage dtype. FSDP keeps the parameter object, so the
+        bytes are copied into its local shard in place (same dtype: bit for
+        bit). The QuantState is not sharded: every rank rebuilds it whole.
+        """
+        weight = self.weight
+        if not any(k.startswith(_JSON_KEY) for k in stats):
+            raise ValueError(
+                f"'{weight_key}' is sharded (FSDP) and the checkpoint has no '{weight_key}.{_JSON_KEY}<nf4|fp4>' "
+                "entry: a sharded weight cannot be quantized, load float weights before fully_shard"
+            )
+        if not _is_dtensor(data):
+            raise TypeError(
+                f"'{weight_key}' is a plain {data.dtype} tensor but the layer's weight is sharded (a DTensor): load "
+                "a whole checkpoint with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, sd, "
+                "options=StateDictOptions(full_state_dict=True))"
+            )
+        if data.dtype != weight.dtype:
+            raise TypeError(
+                f"'{weight_key}' is a {data.dtype} DTensor, but the sharded weight stores its bytes as {weight.dtype}"
+            )
+        quant_state = F.QuantState.from_dict(stats, device=weight.device)
+        if tuple(quant_state.shape) != (self.out_features, self.in_features):
+            raise q4.QuantStateError(
+                f"'{weight_key}' quant_state shape {tuple(quant_state.shape)} does not match this "
+                f"layer's ({self.out_features}, {self.in_features})"
+            )
+        _check_packed(data, quant_state, weight_key)
+        with torch.no_grad():
+            weight.copy_(data)
+        self.quant_state = quant_state
+        self.quant_storage = weight.dtype
+        _attach_quant_state(weight, quant_state)
 
 
 class LinearFP4(Linear4bit):
