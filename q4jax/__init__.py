@@ -2,7 +2,7 @@
 
 from q4jax import nn
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
-from q4jax._src.nn import load_state_dict, quantize_model, state_dict
+from q4jax._src.nn import load_state_dict, quantize_model, shard_model, state_dict
 from q4jax._src.quant import (
     QuantState,
     dequantize_4bit,
@@ -10,11 +10,22 @@ from q4jax._src.quant import (
     quantize_4bit,
     quantize_blockwise,
 )
+from q4jax._src.sharding import (
+    LinearSharding,
+    place_bias,
+    shard_4bit,
+    shard_8bit,
+    sharded_matmul_4bit,
+    sharded_matmul_8bit,
+    unshard_4bit,
+    unshard_8bit,
+)
 
 __all__ = [
     "load_state_dict",
     "nn",
     "quantize_model",
+    "shard_model",
     "state_dict",
     "QuantState",
     "dequantize_4bit",
@@ -23,4 +34,13 @@ __all__ = [
     "matmul_8bit",
     "quantize_4bit",
     "quantize_blockwise",
+    # SPMD: quantized layers over a device mesh
+    "LinearSharding",
+    "place_bias",
+    "shard_4bit",
+    "shard_8bit",
+    "sharded_matmul_4bit",
+    "sharded_matmul_8bit",
+    "unshard_4bit",
+    "unshard_8bit",
 ]

@@ -22,8 +22,9 @@ stale.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import q4
 from q4._src import formats
@@ -39,6 +42,19 @@ from q4._src.quant_state import QuantStateError
 from q4jax._src import ffi
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import QuantState, quantize_4bit
+from q4jax._src.sharding import (
+    LinearSharding,
+    check_4bit,
+    check_8bit,
+    check_features,
+    place_bias,
+    shard_4bit,
+    shard_8bit,
+    sharded_matmul_4bit,
+    sharded_matmul_8bit,
+    unshard_4bit,
+    unshard_8bit,
+)
 
 logger = logging.getLogger("q4jax")
 
@@ -117,7 +133,14 @@ class _QuantLinear(nnx.Module):
             )
         bias = bias_init(rngs.params(), (self.out_features,), param_dtype) if self.use_bias else None
         self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+        self.sharding: LinearSharding | None = None
         return kernel
+
+    def _place_bias(self, sharding: LinearSharding | None) -> None:
+        """Place the bias for ``sharding`` (None: on one device); a no-op for an
+        unsharded layer staying unsharded."""
+        if self.bias is not None and (sharding is not None or self.sharding is not None):
+            self.bias.set_value(place_bias(self.bias.get_value(), sharding))
 
     def _check_x(self, x) -> str:
         if not hasattr(x, "dtype") or not hasattr(x, "shape"):
@@ -140,6 +163,11 @@ class Linear4bit(_QuantLinear):
     kernel (``q4jax.matmul_4bit``) in ``compute_dtype`` (default: ``dtype``, else
     the input's dtype) and returns ``dtype`` (default: the input's dtype);
     gradients flow to the input and the bias, never to the quantized weight.
+
+    ``shard(LinearSharding)`` (or ``shard_model``) lays the weight out over a
+    device mesh and places it; the forward then runs
+    ``q4jax.sharded_matmul_4bit``. ``state_dict`` always saves the canonical
+    single-device format.
     """
 
     def __init__(
@@ -183,9 +211,32 @@ class Linear4bit(_QuantLinear):
                 f"got {tuple(weight.shape)}"
             )
         packed, state = quantize_4bit(weight, self.blocksize, self.quant_type, self.compress_statistics)
+        if self.sharding is not None:
+            packed, state = shard_4bit(packed, state, self.sharding)
         self.weight.set_value(packed)
         self.quant_state.set_value(state)
         return self
+
+    def shard(self, sharding: LinearSharding | None) -> Linear4bit:
+        """Lay this layer's packed weight, statistics and bias out for
+        ``sharding`` and place them on its mesh (None: back to the canonical
+        layout on one device). Validates before changing anything (ValueError
+        naming the value that cannot be split). A nested state decoded by
+        ``unnest`` stays decoded (and is saved so by ``state_dict``)."""
+        if sharding is not None and not isinstance(sharding, LinearSharding):
+            raise TypeError(f"sharding must be a q4jax.LinearSharding or None, got {type(sharding).__name__}")
+        packed, state = self._canonical()
+        if sharding is not None:
+            packed, state = shard_4bit(packed, state, sharding)
+        self._place_bias(sharding)
+        self.weight.set_value(packed)
+        self.quant_state.set_value(state)
+        self.sharding = sharding
+        return self
+
+    def _canonical(self) -> tuple[jax.Array, QuantState]:
+        packed, state = self.weight.get_value(), self.quant_state.get_value()
+        return (packed, state) if self.sharding is None else unshard_4bit(packed, state)
 
     @classmethod
     def from_linear(
@@ -214,16 +265,21 @@ class Linear4bit(_QuantLinear):
         compute = out if self.compute_dtype is None else self.compute_dtype
         # the bias is cast on a copy: the parameter keeps its dtype
         bias = None if self.bias is None else self.bias.get_value().astype(compute)
-        y = matmul_4bit(x.astype(compute), self.weight.get_value(), self.quant_state.get_value(), bias)
+        packed, state = self.weight.get_value(), self.quant_state.get_value()
+        if self.sharding is None:
+            y = matmul_4bit(x.astype(compute), packed, state, bias)
+        else:
+            y = sharded_matmul_4bit(x.astype(compute), packed, state, self.sharding, bias)
         return y.astype(out)
 
     # -- checkpoint entries (keys relative to the layer's prefix)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
-        out = {"weight": _host_copy(self.weight.get_value())}
+        packed, state = self._canonical()
+        out = {"weight": _host_copy(packed)}
         if self.bias is not None:
             out["bias"] = _host_copy(self.bias.get_value())
-        for key, value in self.quant_state.get_value().to_numpy().to_dict().items():
+        for key, value in state.to_numpy().to_dict().items():
             out["weight." + key] = _host_copy(value)
         return out
 
@@ -251,7 +307,7 @@ class Linear4bit(_QuantLinear):
                 )
                 return None
             w = _device_copy(data)
-            return lambda: (self.set_weight(w), bias_apply and bias_apply())
+            return lambda: (self.set_weight(w), bias_apply and bias_apply(), self._place_bias(self.sharding))
         try:
             st = NpQuantState.from_dict({k[len(k_w) + 1 :]: d[k] for k in quant_keys})
         except (QuantStateError, ValueError, TypeError) as e:
@@ -263,6 +319,12 @@ class Linear4bit(_QuantLinear):
                 f"{(self.out_features, self.in_features)}"
             )
             return None
+        if self.sharding is not None:
+            try:
+                check_4bit(self.sharding, st.shape, st.blocksize, st.nested)
+            except ValueError as e:
+                errs.append(f"'{k_w}' cannot be loaded into this sharded layer: {e}")
+                return None
         if data.dtype.kind not in "uif" and data.dtype.name != "bfloat16":
             errs.append(f"'{k_w}' must hold the packed bytes (uint8), got {data.dtype}")
             return None
@@ -286,10 +348,12 @@ class Linear4bit(_QuantLinear):
 
         def apply():
             self.quant_type, self.blocksize, self.compress_statistics = st.quant_type, st.blocksize, st.nested
-            self.weight.set_value(packed)
-            self.quant_state.set_value(state)
+            p, s = (packed, state) if self.sharding is None else shard_4bit(packed, state, self.sharding)
+            self.weight.set_value(p)
+            self.quant_state.set_value(s)
             if bias_apply:
                 bias_apply()
+            self._place_bias(self.sharding)
 
         return apply
 
@@ -306,6 +370,11 @@ class Linear8bit(_QuantLinear):
 
     Quantization runs on the host (numpy kernels): construct the layer outside
     ``jit``.
+
+    ``shard(LinearSharding)`` (or ``shard_model``) lays CB / SCB out over a
+    device mesh; the forward then runs ``q4jax.sharded_matmul_8bit`` (the same
+    row statistics and outlier columns as on one device). ``state_dict``
+    always saves the canonical format.
     """
 
     def __init__(
@@ -349,9 +418,31 @@ class Linear8bit(_QuantLinear):
             raise ValueError(
                 f"cannot quantize: weight rows {np.nonzero(bad)[0][:8].tolist()} are not finite after rounding to float16"
             )
-        self.weight.set_value(jnp.asarray(cb))
-        self.SCB.set_value(jnp.asarray(scb))
+        cb, scb = jnp.asarray(cb), jnp.asarray(scb)
+        if self.sharding is not None:
+            cb, scb = shard_8bit(cb, scb, self.sharding)
+        self.weight.set_value(cb)
+        self.SCB.set_value(scb)
         return self
+
+    def shard(self, sharding: LinearSharding | None) -> Linear8bit:
+        """Lay CB, SCB and the bias out for ``sharding`` and place them on its
+        mesh (None: back to the canonical layout on one device). Validates
+        before changing anything."""
+        if sharding is not None and not isinstance(sharding, LinearSharding):
+            raise TypeError(f"sharding must be a q4jax.LinearSharding or None, got {type(sharding).__name__}")
+        cb, scb = self._canonical()
+        if sharding is not None:
+            cb, scb = shard_8bit(cb, scb, sharding)
+        self._place_bias(sharding)
+        self.weight.set_value(cb)
+        self.SCB.set_value(scb)
+        self.sharding = sharding
+        return self
+
+    def _canonical(self) -> tuple[jax.Array, jax.Array]:
+        cb, scb = self.weight.get_value(), self.SCB.get_value()
+        return (cb, scb) if self.sharding is None else unshard_8bit(cb, scb, self.sharding)
 
     @classmethod
     def from_linear(cls, linear: nnx.Linear, *, threshold: float = 0.0) -> Linear8bit:
@@ -366,13 +457,17 @@ class Linear8bit(_QuantLinear):
         x_name = self._check_x(x)
         compute = jnp.dtype(x_name) if self.dtype is None else self.dtype
         bias = None if self.bias is None else self.bias.get_value()
-        return matmul_8bit(x.astype(compute), self.weight.get_value(), self.SCB.get_value(), bias, self.threshold)
+        cb, scb = self.weight.get_value(), self.SCB.get_value()
+        if self.sharding is None:
+            return matmul_8bit(x.astype(compute), cb, scb, bias, self.threshold)
+        return sharded_matmul_8bit(x.astype(compute), cb, scb, self.sharding, bias, self.threshold)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
-        out = {"weight": _host_copy(self.weight.get_value())}
+        cb, scb = self._canonical()
+        out = {"weight": _host_copy(cb)}
         if self.bias is not None:
             out["bias"] = _host_copy(self.bias.get_value())
-        out["SCB"] = _host_copy(self.SCB.get_value())
+        out["SCB"] = _host_copy(scb)
         out["weight_format"] = np.array(_FORMAT_ROW, np.uint8)
         return out
 
@@ -408,10 +503,12 @@ class Linear8bit(_QuantLinear):
             cb, scb = _device_copy(w), _device_copy(scb, np.float32)
 
             def apply():
-                self.weight.set_value(cb)
-                self.SCB.set_value(scb)
+                c, s = (cb, scb) if self.sharding is None else shard_8bit(cb, scb, self.sharding)
+                self.weight.set_value(c)
+                self.SCB.set_value(s)
                 if bias_apply:
                     bias_apply()
+                self._place_bias(self.sharding)
 
             return apply
         if w.dtype.name in _FLOAT_DTYPES:
@@ -419,7 +516,7 @@ class Linear8bit(_QuantLinear):
                 errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
                 return None
             w = _host_copy(w)
-            return lambda: (self.set_weight(w), bias_apply and bias_apply())
+            return lambda: (self.set_weight(w), bias_apply and bias_apply(), self._place_bias(self.sharding))
         errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
         return None
 
@@ -573,6 +670,125 @@ def quantize_model(
             quant_type,
         )
     return module
+
+
+# ------------------------------------------------------------------ sharding
+
+_RULE_MODES = ("column", "row")
+
+
+def _rule_matches(pattern: str, name: str, path: tuple) -> bool:
+    return fnmatch.fnmatchcase(name, pattern) or any(str(k) == pattern for k in path)
+
+
+def _check_layer(layer, spec: LinearSharding) -> None:
+    if isinstance(layer, Linear4bit):
+        _, state = layer._canonical()
+        check_4bit(spec, state.shape, state.blocksize, state.nested)
+    elif isinstance(layer, Linear8bit):
+        check_8bit(spec, (layer.out_features, layer.in_features))
+    else:
+        check_features(spec, layer.out_features, layer.in_features)
+
+
+def _shard_dense(layer: nnx.Linear, spec: LinearSharding) -> None:
+    """A dense nnx.Linear (kernel [in, out]) split like a quantized one; XLA
+    partitions the dot itself."""
+    kernel = P(None, spec.axis) if spec.mode == "column" else P(spec.axis, None)
+    layer.kernel.set_value(jax.device_put(layer.kernel.get_value(), spec.named(kernel)))
+    if layer.bias is not None:
+        layer.bias.set_value(jax.device_put(layer.bias.get_value(), spec.named(spec.bias_spec())))
+
+
+def shard_model(
+    module: nnx.Module,
+    mesh: Mesh,
+    rules: Mapping[str, str] | None = None,
+    *,
+    model_axis: str | None = "model",
+    data_axis: str | tuple[str, ...] | None = None,
+    unnest: bool = False,
+) -> nnx.State:
+    """Shard ``module``'s state over ``mesh`` for data and tensor parallelism,
+    in place, and return the shardings of ``nnx.state(module)``.
+
+    ``rules`` maps a layer pattern to "column" or "row": a Linear4bit,
+    Linear8bit or nnx.Linear whose dotted path matches it (fnmatch on the whole
+    path, e.g. ``layers.*.mlp.up``, or equal to one of its components, e.g.
+    ``up``) is split over ``model_axis`` (Megatron: "column" for the first
+    linear of a block, "row" for the one after it). Every other quantized
+    layer is replicated. All quantized layers split their input batch over
+    ``data_axis`` (None: no data parallelism), see ``q4jax.LinearSharding``.
+    Every other array (dense kernels, adapters, norms, RNG state) is
+    replicated on the mesh. ``unnest`` lets nested 4-bit statistics that a
+    shard boundary would split be decoded to fp32 (exact) instead of raising.
+
+    Every layer is validated before anything changes: a ValueError lists each
+    layer that cannot be split (with the offending value), each rule that
+    matches no layer, and layers matched by both modes. The returned State of
+    NamedSharding fits ``jax.jit``'s in/out_shardings and optimizer states; put
+    the batch on ``NamedSharding(mesh, P(data_axis))``. Run the model under
+    ``jax.jit`` / ``nnx.jit``.
+    """
+    _check_graph_root(module, "shard_model")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    rules = dict(rules or {})
+    for pattern, mode in rules.items():
+        if mode not in _RULE_MODES:
+            raise ValueError(f"rule {pattern!r}: mode must be one of {_RULE_MODES}, got {mode!r}")
+    specs = {"replicated": LinearSharding(mesh, "replicated", None, data_axis, unnest)}
+    for mode in sorted(set(rules.values())):
+        specs[mode] = LinearSharding(mesh, mode, model_axis, data_axis, unnest)
+    targets = [
+        (p, child) for p, _, _, child in _edges(module) if isinstance(child, (Linear4bit, Linear8bit, nnx.Linear))
+    ]
+    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+        targets.insert(0, ((), module))
+    errs: list[str] = []
+    used: set[str] = set()
+    chosen: dict[int, tuple[str, str, nnx.Module]] = {}
+    for path, layer in targets:
+        name = _name(path) or "<root>"
+        hits = [p for p in rules if _rule_matches(p, name, path)]
+        used.update(hits)
+        modes = sorted({rules[p] for p in hits})
+        if len(modes) > 1:
+            errs.append(f"{name}: rules {hits} ask for both column and row")
+            continue
+        mode = modes[0] if modes else "replicated"
+        if id(layer) in chosen:
+            first, first_mode, _ = chosen[id(layer)]
+            if first_mode != mode:
+                errs.append(f"{name}: the same layer as {first}, which is {first_mode}, but this path is {mode}")
+            continue
+        chosen[id(layer)] = (name, mode, layer)
+        if mode == "replicated" and type(layer) is nnx.Linear:
+            continue
+        try:
+            _check_layer(layer, specs[mode])
+        except ValueError as e:
+            errs.append(f"{name}: {e}")
+    unused = [p for p in rules if p not in used]
+    if unused:
+        errs.append(f"rules {unused} match no Linear4bit, Linear8bit or nnx.Linear")
+    if errs:
+        raise ValueError("shard_model: " + "; ".join(errs))
+    placed: set[int] = set()
+    for name, mode, layer in chosen.values():
+        if type(layer) is nnx.Linear:
+            if mode == "replicated":
+                continue
+            _shard_dense(layer, specs[mode])
+        else:
+            layer.shard(specs[mode])
+        placed.update(id(a) for a in jax.tree.leaves(nnx.state(layer)))
+        logger.info("q4jax.shard_model: %s %s", name, mode)
+    state = nnx.state(module)
+    replicated = NamedSharding(mesh, P())
+    shardings = jax.tree.map(lambda a: a.sharding if id(a) in placed else replicated, state)
+    nnx.update(module, jax.device_put(state, shardings))
+    return shardings
 
 
 # ------------------------------------------------------------------ checkpoints
