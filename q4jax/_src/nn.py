@@ -35,10 +35,10 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import q4
 from q4._src import formats
 from q4._src.quant_state import QuantState as NpQuantState
 from q4._src.quant_state import QuantStateError
+from q4._src.weights import quantize_weight_int8
 from q4jax._src import ffi
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import QuantState, quantize_4bit
@@ -410,14 +410,7 @@ class Linear8bit(_QuantLinear):
                 f"weight must have shape (out_features, in_features) = {(self.out_features, self.in_features)}, "
                 f"got {w.shape}"
             )
-        with np.errstate(over="ignore"):
-            w16 = np.ascontiguousarray(w.astype(np.float32).astype(np.float16))
-        cb, scb, _ = q4.int8_quantize_rows(w16, 0.0)
-        bad = ~np.isfinite(scb)
-        if bad.any():
-            raise ValueError(
-                f"cannot quantize: weight rows {np.nonzero(bad)[0][:8].tolist()} are not finite after rounding to float16"
-            )
+        cb, scb = quantize_weight_int8(w)
         cb, scb = jnp.asarray(cb), jnp.asarray(scb)
         if self.sharding is not None:
             cb, scb = shard_8bit(cb, scb, self.sharding)
