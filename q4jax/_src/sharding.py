@@ -195,24 +195,19 @@ def check_4bit(sharding: LinearSharding, shape: tuple[int, ...], blocksize: int,
     s, nb2 = sharding.size, formats.nested_blocksize()
     if sharding.layout == "column":
         per = (n // s) * k
-        if per % blocksize:
-            raise ValueError(
-                f"column-parallel over {s} shards puts a shard boundary inside a block: a shard holds "
-                f"{n // s} rows x {k} = {per} elements, not a multiple of blocksize {blocksize}"
-            )
-        groups_ok = (per // blocksize) % nb2 == 0
-        where = f"a shard holds {per // blocksize} blocks"
+        what, holder = f"a shard holds {n // s} rows x {k} = {per} elements", "a shard holds"
     elif sharding.layout == "row":
         per = k // s
-        if per % blocksize:
-            raise ValueError(
-                f"row-parallel over {s} shards puts a shard boundary inside a block: each row's slice holds "
-                f"{k} / {s} = {per} elements, not a multiple of blocksize {blocksize}"
-            )
-        groups_ok = (per // blocksize) % nb2 == 0
-        where = f"each row's slice holds {per // blocksize} blocks"
+        what, holder = f"each row's slice holds {k} / {s} = {per} elements", "each row's slice holds"
     else:
         return False
+    if per % blocksize:
+        raise ValueError(
+            f"{sharding.layout}-parallel over {s} shards puts a shard boundary inside a block: {what}, "
+            f"not a multiple of blocksize {blocksize}"
+        )
+    groups_ok = (per // blocksize) % nb2 == 0
+    where = f"{holder} {per // blocksize} blocks"
     if not nested or groups_ok:
         return False
     if not sharding.unnest:
