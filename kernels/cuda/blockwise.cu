@@ -1,10 +1,16 @@
 // 8-bit blockwise quantization and the nested quantization of 4-bit absmax on
-// CUDA: the bit-exact twin of cpu/blockwise.cc.
-//   absmax[b] = max |x| over the block (NaN if any element is NaN)
-//   code index = encode8_nearest (dynamic8.h) with scale floor(absmax[b])
+// CUDA: the bit-exact twin of cpu/blockwise.cc, i.e. of the compatible
+// format's CPU arithmetic (blockwise8.h), not of bitsandbytes' own CUDA
+// kernels (which choose codes differently: q4 gives the same bytes on either
+// device).
+//   absmax[b] = max |x| over the block's non-NaN elements (0 if none)
+//   code      = table[bin(x * (1 / absmax[b]))], 0 for a block with absmax 0;
+//               the table is held in its threshold form (blockwise8.h): 256
+//               bin thresholds in shared memory, searched per element
 //   dequantize: out = code[q] * absmax[b] (+ offset), each step rounded to fp32
-//   nested:     offset = fp32(sum_fp64(absmax) / n), then the 8-bit quantize of
-//               fp32(absmax - offset) with block 256 and the dynamic map
+//   nested:     offset = PyTorch's CPU float32 mean of the absmax (one thread),
+//               then the 8-bit quantize of fp32(absmax - offset) with block
+//               256 and the dynamic map
 // The code book lives in shared memory (256 fp32); code == nullptr selects the
 // dynamic map, whose device copy is generated from dynamic8::value at compile
 // time.
@@ -14,6 +20,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "q4/blockwise8.h"
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
@@ -23,9 +30,11 @@ namespace cuda {
 
 namespace {
 
-constexpr int kWarpsPerCta = 8;     // quantize: one warp per quantization block
-constexpr int kThreads = 256;       // dequantize: one thread per element
-constexpr int kMeanThreads = 1024;  // nested mean: a single CTA
+constexpr int kWarpsPerCta = 8;  // quantize: one warp per quantization block
+constexpr int kThreads = 256;    // dequantize: one thread per element
+constexpr int kMeanWarps = 32;   // nested mean: a single CTA
+constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kWarpsPerCta * 32 == blockwise8::kCodes, "one thread per bin threshold");
 
 int log2_of(int64_t pow2) { return __builtin_ctzll(static_cast<unsigned long long>(pow2)); }
 
@@ -35,6 +44,31 @@ __device__ void load_code_book(float* book, const float* code) {
   __syncthreads();
 }
 
+// thresholds[j] = T[j] of the threshold form (blockwise8.h), thresholds[255] =
+// kBins; one thread per entry (blockDim.x == 256), the running maximum as a
+// warp scan plus the preceding warps' maxima. A barrier for the CTA.
+__device__ void load_bin_thresholds(int* thresholds, const float* book) {
+  __shared__ int warp_max[kWarpsPerCta];
+  const int j = threadIdx.x, lane = j & 31, warp = j >> 5;
+  int t = j < blockwise8::kCodes - 1 ? blockwise8::first_bin_above(blockwise8::midpoint(book, j)) : blockwise8::kBins;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(kFullMask, t, o);
+    if (lane >= o) t = max(t, v);
+  }
+  if (lane == 31) warp_max[warp] = t;
+  __syncthreads();
+  for (int w = 0; w < warp; ++w) t = max(t, warp_max[w]);
+  thresholds[j] = t;
+  __syncthreads();
+}
+
+// Code of bin k: the number of thresholds <= k (thresholds[255] = kBins > k).
+__device__ __forceinline__ int code_of_bin(const int* thresholds, int k) {
+  int lo = 0;
+  for (int step = 128; step >= 1; step >>= 1) lo += (thresholds[lo + step - 1] <= k) ? step : 0;
+  return lo;
+}
+
 // One warp per quantization block (warp-uniform loop, so every lane joins the
 // shuffles). offset != nullptr: quantize fp32(x - *offset) (nested absmax).
 template <typename T>
@@ -42,7 +76,9 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     quantize_8bit_kernel(const T* x, const float* offset, int64_t n, int64_t bs, int64_t blocks, const float* code,
                          uint8_t* codes, float* absmax) {
   __shared__ float book[dynamic8::kCodes];
+  __shared__ int thresholds[blockwise8::kCodes];
   load_code_book(book, code);
+  load_bin_thresholds(thresholds, book);
   const bool centre = offset != nullptr;
   const float off = centre ? *offset : 0.0f;
   const int lane = threadIdx.x & 31;
@@ -51,20 +87,25 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     const int64_t start = b * bs, len = min(bs, n - start);
     auto input = [&](int64_t i) {
       const float v = Elem<T>::load(x, start + i);
-      return centre ? v - off : v;
+      return centre ? __fsub_rn(v, off) : v;
     };
-    float m = 0.0f;  // never NaN itself: `a > m` is false for NaN a
-    bool nan = false;
+    float m = -INFINITY;  // the largest non-NaN |x|: `a > m` is false for NaN a
     for (int64_t i = lane; i < len; i += 32) {
       const float a = fabsf(input(i));
-      nan |= (a != a);
       m = a > m ? a : m;
     }
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (__any_sync(0xffffffffu, nan)) m = __builtin_nanf("");
-    const float scale = absmax_floor(m);
-    const float inv = 1.0f / scale;
-    for (int64_t i = lane; i < len; i += 32) codes[start + i] = uint8_t(encode8_nearest(book, input(i), scale, inv));
+    for (int o = 16; o > 0; o >>= 1) {
+      const float v = __shfl_xor_sync(kFullMask, m, o);
+      m = v > m ? v : m;
+    }
+    m = 0.0f > m ? 0.0f : m;
+    if (m == 0.0f) {
+      for (int64_t i = lane; i < len; i += 32) codes[start + i] = 0;
+    } else {
+      const float inv = __fdiv_rn(1.0f, m);
+      for (int64_t i = lane; i < len; i += 32)
+        codes[start + i] = uint8_t(code_of_bin(thresholds, blockwise8::bin_of(__fmul_rn(input(i), inv))));
+    }
     if (lane == 0) absmax[b] = m;
   }
 }
@@ -85,51 +126,57 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename V, typename F>
-__device__ V block_reduce(V v, F op, V* scratch) {
-  for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
-  __syncthreads();
-  v = scratch[0];
-  for (int w = 1; w < warps; ++w) v = op(v, scratch[w]);
-  return v;
-}
-
-// *offset = fp32(sum / n) with sum = the CPU's sequential fp64 sum of a[0..n).
-// Summed here in parallel: with u = the smallest ulp among the nonzero a[i]
-// (2^(e-150) for biased exponent e, subnormals e=1), every partial sum of any
-// subset is a multiple of u bounded by sum|a|, hence exact in fp64 whenever
-// sum|a| < 2^53 u; then every summation order gives the same double. Otherwise
-// (a non-finite value, or magnitudes spread wider than about 2^28 / n) thread 0
-// redoes the sum sequentially in the CPU's order.
-__global__ void __launch_bounds__(kMeanThreads) mean_kernel(const float* a, int64_t n, float* offset) {
-  __shared__ double dscratch[kMeanThreads / 32];
-  __shared__ int iscratch[kMeanThreads / 32];
-  double sum = 0.0, sum_abs = 0.0;
-  int emin = 255;  // smallest biased exponent of a nonzero finite value (255: none)
-  int nonfinite = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = a[i];
-    const int e = int((f32_bits(v) >> 23) & 0xffu);
-    nonfinite |= (e == 255);
-    if (v != 0.0f && e != 255) emin = min(emin, max(e, 1));
-    sum += v;
-    sum_abs += fabs(double(v));
+// *offset = PyTorch's float32 mean of a[0..n) in the order of blockwise8.h.
+// Lane c of every warp owns column c of the 32-column rows. Per round, warp w
+// sums group (round * kMeanWarps + w) of 2^p rows in order; warp 0 then
+// carries the round's group sums through the cascade in group order. Warp 0
+// finishes the columns and lane 0 the final sum.
+__global__ void __launch_bounds__(kMeanWarps * 32) mean_kernel(const float* a, int64_t n, float* offset) {
+  if (n < 8) {
+    if (threadIdx.x == 0) *offset = blockwise8::div_rn(blockwise8::sum_short(a, n), static_cast<float>(n));
+    return;
   }
-  sum = block_reduce(sum, [](double x, double y) { return x + y; }, dscratch);
-  sum_abs = block_reduce(sum_abs, [](double x, double y) { return x + y; }, dscratch);
-  emin = block_reduce(emin, [](int x, int y) { return min(x, y); }, iscratch);
-  nonfinite = block_reduce(nonfinite, [](int x, int y) { return x | y; }, iscratch);
-  if (threadIdx.x != 0) return;
-  // half the bound leaves room for the rounding of sum_abs itself
-  const bool exact = !nonfinite && sum_abs <= ldexp(1.0, 52 + emin - 150);
-  if (!exact) {
-    sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) sum += a[i];
+  __shared__ float group[kMeanWarps][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t vecs = n / 8, rows = vecs / 4;
+  const int p = blockwise8::cascade_power(rows);
+  const int64_t step = int64_t(1) << p, groups = rows / step;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // warp 0: the cascade levels of column `lane`
+  for (int64_t g0 = 0; g0 < groups; g0 += kMeanWarps) {
+    const int64_t g = g0 + warp;
+    if (g < groups) {
+      const float* col = a + g * step * 32 + lane;
+      float s = 0.0f;
+      for (int64_t r = 0; r < step; ++r) s = __fadd_rn(s, col[r * 32]);
+      group[warp][lane] = s;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      const int64_t count = groups - g0 < kMeanWarps ? groups - g0 : kMeanWarps;
+      for (int64_t k = 0; k < count; ++k)
+        blockwise8::cascade_add(acc, group[k][lane], blockwise8::cascade_carries((g0 + k + 1) * step, p));
+    }
+    __syncthreads();
   }
-  *offset = static_cast<float>(sum / static_cast<double>(n));
+  if (warp != 0) return;
+  float col = 0.0f;
+  for (int64_t r = groups * step; r < rows; ++r) col = __fadd_rn(col, a[r * 32 + lane]);
+  col = blockwise8::cascade_finish(acc, col);
+  // columns 0..7: the whole 8-value vectors after the rows, then columns
+  // 8..15, 16..23 and 24..31 (lanes >= 8 keep their values for the shuffles)
+  for (int64_t v = rows * 4; v < vecs; ++v)
+    if (lane < 8) col = __fadd_rn(col, a[v * 8 + lane]);
+  const float c1 = __shfl_down_sync(kFullMask, col, 8);
+  const float c2 = __shfl_down_sync(kFullMask, col, 16);
+  const float c3 = __shfl_down_sync(kFullMask, col, 24);
+  if (lane < 8) col = __fadd_rn(__fadd_rn(__fadd_rn(col, c1), c2), c3);
+  float lanes[8];
+  for (int l = 0; l < 8; ++l) lanes[l] = __shfl_sync(kFullMask, col, l);
+  if (lane != 0) return;
+  float s = 0.0f;
+  for (int64_t k = vecs * 8; k < n; ++k) s = __fadd_rn(s, a[k]);
+  for (int l = 0; l < 8; ++l) s = __fadd_rn(s, lanes[l]);
+  *offset = blockwise8::div_rn(__fadd_rn(0.0f, s), static_cast<float>(n));
 }
 
 }  // namespace
@@ -166,7 +213,7 @@ Status quantize_nested(const QuantizeNestedParams& p, void* stream) {
   Status s = validate(p);
   if (!s.ok()) return s;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
-  mean_kernel<<<1, kMeanThreads, 0, st>>>(p.absmax, p.n_blocks, p.offset);
+  mean_kernel<<<1, kMeanWarps * 32, 0, st>>>(p.absmax, p.n_blocks, p.offset);
   s = launch_status("quantize_nested (mean)");
   if (!s.ok()) return s;
   // stream order: the quantize reads the offset the mean kernel wrote

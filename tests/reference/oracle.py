@@ -123,28 +123,82 @@ def dequantize_4bit(packed, absmax, n: int, blocksize: int, quant_type: str) -> 
         return (TABLES[quant_type][codes] * scale).astype(F32)
 
 
+# ------------------------------------------------------------------ 8-bit
+# The 8-bit blockwise format as bitsandbytes 0.50.2 computes it on the CPU:
+# each value is scaled into [-1, 1], placed in one of 65536 bins, and the bin
+# is mapped to a code through a table built from the code book's midpoints.
+
+BINS = 65536
+_TABLES: dict[bytes, np.ndarray] = {}
+
+
+def bin_positions() -> np.ndarray:
+    """Position of bin k in [-1, 1]: fp32(fp32(2k) / 65535) - 1."""
+    k = np.arange(BINS).astype(F32)
+    return ((F32(2) * k) / F32(BINS - 1) - F32(1)).astype(F32)
+
+
+def bin_table(code: np.ndarray) -> np.ndarray:
+    """bin -> code index. With mid[j] = fp32(fp32(code[j] + code[j+1]) * 0.5),
+    table[k] = the first j < 255 with not(mid[j] < pos(k)), else 255. (The
+    format builds it as one scan over the bins with a never-decreasing j; since
+    pos(k) never decreases, that scan stops at exactly this j.)"""
+    code = np.asarray(code, F32)
+    key = code.tobytes()
+    if key not in _TABLES:
+        with np.errstate(invalid="ignore", over="ignore"):
+            mids = ((code[:-1] + code[1:]) * F32(0.5)).astype(F32)
+            stop = ~(mids[:, None] < bin_positions()[None, :])  # [255, BINS]
+        _TABLES[key] = np.where(stop.any(axis=0), stop.argmax(axis=0), 255).astype(np.uint8)
+    return _TABLES[key]
+
+
+def bins_of(s: np.ndarray) -> np.ndarray:
+    """Bin of s = x * (1/absmax): c = s clamped to [-1, 1] (NaN stays NaN),
+    t = fp32(fp32(c + 1) * 0.5), bin = trunc(fp32(65535 t + 0.5)) with a single
+    rounding (a fused multiply-add); NaN -> 0. Evaluated in integers: t is a
+    multiple of 2^-25, so 65535 t + 0.5 = Y / 2^25 exactly with an integer Y,
+    rounded here to 24 significant bits, half to even."""
+    s = np.asarray(s, F32)
+    with np.errstate(invalid="ignore"):
+        c = np.where(F32(-1) > s, F32(-1), np.where(s > F32(1), F32(1), s)).astype(F32)
+        t = ((c + F32(1)) * F32(0.5)).astype(F32)
+    nan = np.isnan(t)
+    scaled = np.where(nan, 0.0, t.astype(np.float64)) * 2.0**25
+    m = scaled.astype(np.int64)
+    assert np.array_equal(m, scaled), "t must be a multiple of 2^-25"
+    y = 65535 * m + 2**24  # < 2^42
+    width = np.frexp(y.astype(np.float64))[1].astype(np.int64)  # bit length (y < 2^53 is exact)
+    shift = np.maximum(width - 24, 0)
+    q = y >> shift
+    rem = y - (q << shift)
+    half = np.int64(1) << np.maximum(shift - 1, 0)
+    q = q + ((shift > 0) & ((rem > half) | ((rem == half) & ((q & 1) == 1))))
+    k = (q << shift) >> 25
+    return np.where(nan, 0, k).astype(np.int64)
+
+
+def absmax8(blk: np.ndarray) -> F32:
+    """max |x| over the non-NaN elements; 0 when there are none."""
+    a = np.abs(blk[~np.isnan(blk)])
+    return F32(max(F32(0), a.max())) if a.size else F32(0)
+
+
 def quantize_blockwise(x: np.ndarray, blocksize: int, code: np.ndarray | None = None):
-    """8-bit: per block absmax = max|x|; index = argmin_j |fp32(code[j]*absmax) - x|
-    (first index on ties); NaN -> 255. A block with an infinite absmax uses the
-    nearest code to x * (1/absmax) instead."""
+    """8-bit: per block absmax = absmax8; a zero absmax gives code 0 for the
+    whole block, else code = bin_table(code)[bins_of(fp32(x * fp32(1/absmax)))]."""
     code = dynamic_map() if code is None else np.asarray(code, F32)
+    table = bin_table(code)
     x = np.asarray(x, F32).reshape(-1)
-    out = np.empty(x.size, np.uint8)
+    out = np.zeros(x.size, np.uint8)
     absmax = []
-    with np.errstate(invalid="ignore", over="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for start, end in _blocks(x.size, blocksize):
-            blk = x[start:end]
-            amax = _absmax(blk)
+            amax = absmax8(x[start:end])
             absmax.append(amax)
-            if np.isinf(amax):
-                s = blk * (F32(1) / amax)
-                idx = np.argmin(np.abs(code[None, :] - s[:, None]), axis=1).astype(np.uint8)
-                idx[np.isnan(s)] = 255
-            else:
-                recon = (code[None, :] * _floor(amax)).astype(F32)
-                idx = np.argmin(np.abs(recon - blk[:, None]), axis=1).astype(np.uint8)
-            idx[np.isnan(blk) | np.isnan(amax)] = 255
-            out[start:end] = idx
+            if amax != 0:
+                s = (x[start:end] * (F32(1) / amax)).astype(F32)
+                out[start:end] = table[bins_of(s)]
     return out, np.array(absmax, F32)
 
 
@@ -157,9 +211,99 @@ def dequantize_blockwise(codes, absmax, blocksize: int, code=None, offset=None) 
         return out if offset is None else (out + F32(offset)).astype(F32)
 
 
-def quantize_nested(absmax: np.ndarray, code: np.ndarray | None = None):
-    """offset = fp32(mean in fp64); 8-bit blockwise (256) of fp32(absmax - offset)."""
-    absmax = np.asarray(absmax, F32)
-    offset = F32(np.mean(absmax.astype(np.float64)))
-    codes, absmax2 = quantize_blockwise((absmax - offset).astype(F32), 256, code)
+# ------------------------------------------------------------------ nested
+# offset = PyTorch's CPU float32 mean of the absmax vector: a cascade sum in
+# fp32 with a fixed order, divided by fp32(n).
+
+
+def _ceil_log2(x: int) -> int:
+    return 1 if x <= 2 else int(x - 1).bit_length()
+
+
+def _cascade(rows: np.ndarray) -> np.ndarray:
+    """Column sums of rows [size, W]: groups of 2^p rows (p = max(4,
+    ceil_log2(size) // 4)) summed in order; group sums pushed through three
+    accumulator levels that carry up at multiples of 2^2p and 2^3p rows; the
+    rows after the last whole group summed in order, then + the levels."""
+    size, width = rows.shape
+    p = max(4, _ceil_log2(size) // 4)
+    step, mask = 1 << p, (1 << p) - 1
+    acc = np.zeros((4, width), F32)
+    groups = size // step
+    gsum = np.zeros((groups, width), F32)
+    g = rows[: groups * step].reshape(groups, step, width)
+    for r in range(step):
+        gsum += g[:, r]
+    i = 0
+    for grp in range(groups):
+        acc[0] += gsum[grp]
+        i += step
+        for j in range(1, 4):
+            acc[j] += acc[j - 1]
+            acc[j - 1] = 0
+            if i & (mask << (j * p)):
+                break
+    for r in range(groups * step, size):
+        acc[0] += rows[r]
+    for j in range(1, 4):
+        acc[0] += acc[j]
+    return acc[0]
+
+
+def _serial_sum(x: np.ndarray) -> F32:
+    n = x.size
+    if n < 8:  # scalar path: 4 columns of rows of 4, the rest into column 0
+        q = n // 4
+        p = _cascade(x[: q * 4].reshape(q, 4))
+        for k in range(q * 4, n):
+            p[0] += x[k]
+        s = p[0]
+        for k in range(1, 4):
+            s = F32(s + p[k])
+    else:  # 8-lane vectors, 4 per row: rows of 32 columns
+        vecs = n // 8
+        rows = vecs // 4
+        p = _cascade(x[: rows * 32].reshape(rows, 32)).reshape(4, 8)
+        for v in range(rows * 4, vecs):
+            p[0] += x[8 * v : 8 * v + 8]
+        for k in range(1, 4):
+            p[0] += p[k]
+        s = F32(0)
+        for k in range(vecs * 8, n):
+            s = F32(s + x[k])
+        for lane in range(8):
+            s = F32(s + p[0][lane])
+    return F32(F32(0) + s)
+
+
+def torch_sum(x: np.ndarray, threads: int = 1) -> F32:
+    """PyTorch's CPU float32 sum of a contiguous vector with `threads`
+    intra-op threads: from 32768 values on, one chunk of ceil(n / T) values per
+    thread (T = min(threads, ceil(n / 32768))), the chunk sums then summed."""
+    x = np.asarray(x, F32).reshape(-1)
+    n = x.size
+    if n < 32768 or threads == 1:
+        return _serial_sum(x)
+    used = min(threads, -(-n // 32768))
+    chunk = -(-n // used)
+    partial = np.zeros(threads, F32)
+    for t in range(used):
+        if t * chunk < n:
+            partial[t] = F32(F32(0) + _serial_sum(x[t * chunk : min(n, (t + 1) * chunk)]))
+    return F32(F32(0) + _serial_sum(partial))
+
+
+def torch_mean(x: np.ndarray, threads: int = 1) -> F32:
+    x = np.asarray(x, F32).reshape(-1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return F32(torch_sum(x, threads) / F32(x.size))
+
+
+def quantize_nested(absmax: np.ndarray, code: np.ndarray | None = None, threads: int = 1):
+    """offset = torch_mean(absmax) (q4: one thread); 8-bit blockwise (256) of fp32(absmax - offset)."""
+    absmax = np.asarray(absmax, F32).reshape(-1)
+    offset = torch_mean(absmax, threads)
+    with np.errstate(invalid="ignore", over="ignore"):
+        centred = (absmax - offset).astype(F32)
+    codes, absmax2 = quantize_blockwise(centred, 256, code)
     return codes, absmax2, offset

@@ -2,7 +2,8 @@
 // [-0.99296875, 1.0] with a single 0.0 at index 127. Each decade 10^-6..10^0
 // holds 2^i linearly spaced means on each sign (i = 0..6), plus 0 and 1.0.
 // Used for 8-bit blockwise quantization and for the nested ("double")
-// quantization of 4-bit absmax (block 256, after subtracting the mean).
+// quantization of 4-bit absmax (block 256, after subtracting the mean); the
+// quantization arithmetic is in blockwise8.h.
 #pragma once
 
 #include <cmath>
@@ -99,31 +100,5 @@ static_assert(detail::sorted_strictly(), "dynamic map must be sorted with 0 at 1
 #endif
 
 }  // namespace dynamic8
-
-// Nearest code of a sorted 256-entry code book for x in a block with scale
-// `absmax`: the index j minimising |code[j] * absmax - x| evaluated in fp32
-// (the value dequantization reproduces), ties to the lower index. A binary
-// search over the scaled value finds the neighbourhood; the final choice is
-// made in the reconstruction domain so rounding of x / absmax cannot pick a
-// worse code. NaN encodes as 255. With an infinite absmax (the block holds an
-// inf) the nearest code to the scaled value x * 0 is used instead.
-Q4_HD int encode8_nearest(const float* code, float x, float absmax, float inv) {
-  const float s = x * inv;
-  if (s != s) return 255;
-  int lo = 0;  // first index with code[lo] >= s, clamped to 255 (branchless search)
-  for (int step = 128; step >= 1; step >>= 1) lo += (code[lo + step - 1] < s) ? step : 0;
-  if (!(absmax <= 3.40282347e+38f))  // inf: reconstruction errors are not comparable
-    return (lo > 0 && s - code[lo - 1] <= code[lo] - s) ? lo - 1 : lo;
-  int best = lo > 0 ? lo - 1 : lo;
-  float best_err = fabsf(code[best] * absmax - x);
-  for (int j = best + 1; j <= lo + 1 && j < 256; ++j) {
-    const float err = fabsf(code[j] * absmax - x);
-    if (err < best_err) {
-      best = j;
-      best_err = err;
-    }
-  }
-  return best;
-}
 
 }  // namespace q4
