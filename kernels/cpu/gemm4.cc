@@ -513,6 +513,25 @@ void gemm_tiled_avx2(const Gemm4bitParams& p, const float* x, const Scales& scal
   parallel_for(ceil_div(p.n, kRowTile), 1, [&](int64_t t0, int64_t t1) { gemm_tiles_avx2<QT>(p, xp, scales, t0, t1); });
 }
 
+// Output columns [r0, r0 + rows) of every row from a tile's accumulators
+// (per 8-row panel: [row][lane]). Row by row, so each output row's `rows`
+// values are written together (column-wise writes with stride n thrash the
+// cache and the TLB on large outputs).
+template <typename T>
+void store_tile_as(const Gemm4bitParams& p, const float* acc, int64_t r0, int rows) {
+  float bias[kRowTile];
+  for (int r = 0; r < rows; ++r) bias[r] = load_bias(p.bias, p.bias_dtype, r0 + r);
+  T* out = static_cast<T*>(p.out);
+  for (int64_t m = 0; m < p.m; ++m) {
+    const float* a = acc + (m / 8) * kRowTile * 8 + m % 8;
+    for (int r = 0; r < rows; ++r) Elem<T>::store(out, m * p.n + r0 + r, a[r * 8] + bias[r]);
+  }
+}
+
+void store_tile(const Gemm4bitParams& p, const float* acc, int64_t r0, int rows) {
+  Q4_DTYPE_SWITCH(p.out_dtype, T, [&] { store_tile_as<T>(p, acc, r0, rows); });
+}
+
 template <QuantType QT>
 Q4_AVX2 void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0,
                              int64_t t1) {
@@ -542,11 +561,7 @@ Q4_AVX2 void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const
             for (int q = 0; q < q_count; ++q) memcpy(acc + ((pn + q) * kRowTile + r) * 8, pair + (r * 2 + q) * 8, 32);
         }
       }
-      for (int r = 0; r < rows; ++r) {
-        const float bias = load_bias(p.bias, p.bias_dtype, r0 + r);
-        for (int64_t m = 0; m < p.m; ++m)
-          store_out(p.out, p.out_dtype, m * p.n + r0 + r, acc[((m / 8) * kRowTile + r) * 8 + m % 8] + bias);
-      }
+      store_tile(p, acc, r0, rows);
     }
   }
 }
