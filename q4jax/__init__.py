@@ -2,7 +2,7 @@
 
 from q4jax import nn
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
-from q4jax._src.nn import load_state_dict, quantize_model, shard_model, state_dict
+from q4jax._src.nn import load_quantized, load_state_dict, quantize_model, shard_model, state_dict
 from q4jax._src.quant import (
     QuantState,
     dequantize_4bit,
@@ -22,6 +22,7 @@ from q4jax._src.sharding import (
 )
 
 __all__ = [
+    "load_quantized",
     "load_state_dict",
     "nn",
     "quantize_model",

@@ -1,6 +1,5 @@
 """Framework-neutral parts of the MiniLM example: where the model lives, its
-shape, the tokenizer, batching, mean pooling + L2 normalisation (numpy), and
-which layers of a checkpoint are quantized."""
+shape, the tokenizer, batching, mean pooling + L2 normalisation (numpy)."""
 
 from __future__ import annotations
 
@@ -115,27 +114,3 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine similarity of two [n, d] arrays."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-
-
-# ------------------------------------------------------------------ quantized checkpoints
-
-
-def quantized_layers(tensors: dict[str, np.ndarray]) -> dict[str, list[str]]:
-    """The quantized layers of a state dict, by q4 quant type:
-    ``{"nf4": [prefix, ...], "int8": [...]}`` (empty for a float checkpoint).
-    Each layer is validated by q4.checkpoint.validate (CheckpointError if bad)."""
-    groups: dict[str, list[str]] = {}
-    for prefix, info in q4.checkpoint.validate(tensors).items():
-        kind = info["quant_type"] if info["kind"] == "Linear4bit" else "int8"
-        groups.setdefault(kind, []).append(prefix)
-    return groups
-
-
-def dense_except(linears: Iterable[str], quantized: Iterable[str]) -> tuple[str, ...]:
-    """The linear layers to keep dense when only ``quantized`` are replaced:
-    the ``skip`` argument of q4torch.replace_linear / q4jax.quantize_model."""
-    linears, quantized = set(linears), set(quantized)
-    unknown = quantized - linears
-    if unknown:
-        raise ValueError(f"the checkpoint quantizes layers this model does not have as Linear: {sorted(unknown)}")
-    return tuple(sorted(linears - quantized))

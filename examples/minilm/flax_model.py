@@ -103,11 +103,9 @@ def load(tensors: dict[str, np.ndarray]) -> MiniLM:
     checkpoint, or one whose linear layers q4 / bitsandbytes quantized (each
     such layer is first replaced by q4jax's Linear4bit / Linear8bit)."""
     model = MiniLM(nnx.Rngs(0))
-    linears = [name for name, m in _modules(model) if type(m) is nnx.Linear]
-    for quant_type, prefixes in common.quantized_layers(tensors).items():
-        q4jax.quantize_model(model, quant_type, skip=common.dense_except(linears, prefixes))
-
-    rest = {k: v for k, v in tensors.items() if k != "embeddings.position_ids"}  # positions are 0..T-1
+    # every Linear, dense or quantized (replaced first with the file's format); the rest is ours to map
+    rest = q4jax.load_quantized(model, tensors)
+    rest.pop("embeddings.position_ids", None)  # positions are 0..T-1
 
     def take(key: str, like: nnx.Param) -> jax.Array:
         if key not in rest:
@@ -123,7 +121,9 @@ def load(tensors: dict[str, np.ndarray]) -> MiniLM:
             m.bias.set_value(take(f"{name}.bias", m.bias))
         elif isinstance(m, nnx.Embed):
             m.embedding.set_value(take(f"{name}.weight", m.embedding))
-    return q4jax.load_state_dict(model, rest)  # every Linear, dense or quantized; strict
+    if rest:
+        raise ValueError(f"unexpected keys {sorted(rest)}")
+    return model
 
 
 @functools.partial(jax.jit, static_argnums=0)

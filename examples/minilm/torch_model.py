@@ -83,11 +83,7 @@ def load(tensors: dict[str, np.ndarray]) -> MiniLM:
     """A MiniLM (eval mode, CPU) holding ``tensors``: the fp32 checkpoint, or
     one whose linear layers q4 / bitsandbytes quantized (each such layer is
     first replaced by q4torch's Linear4bit / Linear8bitLt, then loaded)."""
-    model = MiniLM()
-    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
-    for quant_type, prefixes in common.quantized_layers(tensors).items():
-        q4torch.replace_linear(model, quant_type, skip=common.dense_except(linears, prefixes))
-    model.load_state_dict({k: torch.tensor(np.asarray(v)) for k, v in tensors.items()})
+    model = q4torch.load_quantized(MiniLM(), tensors)
     return model.eval().requires_grad_(False)
 
 

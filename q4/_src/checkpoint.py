@@ -140,6 +140,24 @@ def _check_8bit(tensors: dict[str, np.ndarray], prefix: str) -> dict:
     return {"kind": "Linear8bitLt", "shape": list(weight.shape)}
 
 
+def quantized_groups(tensors) -> dict[tuple, list[str]]:
+    """The quantized layers of a state dict grouped by how a front end must
+    build them: (quant_type, blocksize, nested) for 4-bit layers, ("int8",
+    None, None) for 8-bit ones -> sorted layer names. Only the layers' own
+    entries are read (any array type np.asarray accepts) and validated."""
+    groups: dict[tuple, list[str]] = {}
+    for prefix in sorted(_layer_prefixes(tensors)):
+        entries = {k: np.asarray(tensors[k]) for k in layer_keys(tensors, prefix)}
+        meta = validate(entries)[prefix]
+        key = (
+            ("int8", None, None)
+            if meta["kind"] == "Linear8bitLt"
+            else (meta["quant_type"], meta["blocksize"], meta["nested"])
+        )
+        groups.setdefault(key, []).append(prefix)
+    return groups
+
+
 def validate(tensors: dict[str, np.ndarray]) -> dict[str, dict]:
     """Check every quantized layer of a state dict; returns its q4.layers metadata."""
     layers = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ from flax.nnx import graphlib
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from q4 import checkpoint as q4_checkpoint
 from q4._src import formats
 from q4._src.quant_state import QuantState as NpQuantState
 from q4._src.quant_state import QuantStateError
@@ -787,12 +789,11 @@ def shard_model(
 # ------------------------------------------------------------------ checkpoints
 
 
+_LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
+
+
 def _layers(module) -> list[tuple[str, nnx.Module]]:
-    return [
-        (_name(p) + ".", child)
-        for p, _, _, child in _edges(module)
-        if isinstance(child, (Linear4bit, Linear8bit, nnx.Linear))
-    ]
+    return [(_name(p) + ".", child) for p, _, _, child in _edges(module) if isinstance(child, _LINEAR_TYPES)]
 
 
 def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
@@ -848,3 +849,52 @@ def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = Tru
         if plan is not None:
             plan()
     return module
+
+
+def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> dict[str, np.ndarray]:
+    """Load a quantized checkpoint's linear layers into an nnx model, in place.
+
+    ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
+    writes) or a dict of arrays with PyTorch / bitsandbytes keys. Every
+    nnx.Linear the checkpoint stores quantized is first replaced by a
+    Linear4bit / Linear8bit with the file's quant type, block size and
+    nesting; then every linear layer of the model (dense or quantized) is
+    loaded from its entries, all validated before anything changes (see
+    load_state_dict). A quantized layer the model does not have as a linear
+    layer is a ValueError naming it. Returns the entries no linear layer
+    used (embeddings, norms: names a model maps itself).
+    """
+    _check_graph_root(module, "load_quantized")
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = q4_checkpoint.load_file(checkpoint)
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a path or a dict of arrays, got {type(checkpoint).__name__}")
+    groups = q4_checkpoint.quantized_groups(checkpoint)
+    plan = {name: group for group, names in groups.items() for name in names}
+    edges = {_name(path): (parent, key, child) for path, parent, key, child in _edges(module)}
+    unknown = sorted(n for n in plan if not isinstance(edges.get(n, (None, None, None))[2], _LINEAR_TYPES))
+    if unknown:
+        raise ValueError(f"the checkpoint quantizes layers this model does not have as a linear layer: {unknown}")
+    replaced: dict[int, nnx.Module] = {}
+    for name, (quant_type, blocksize, nested) in plan.items():
+        parent, key, child = edges[name]
+        if type(child) is not nnx.Linear:
+            continue  # already quantized: load_state_dict takes the checkpoint's format
+        if id(child) not in replaced:
+            replaced[id(child)] = (
+                Linear8bit.from_linear(child)
+                if quant_type == "int8"
+                else Linear4bit.from_linear(
+                    child, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
+                )
+            )
+        _set_child(parent, key, replaced[id(child)])
+    prefixes = [prefix for prefix, _ in _layers(module)]
+    mine = {
+        k
+        for k in checkpoint
+        for prefix in prefixes
+        if k.startswith(prefix) and (k[len(prefix) :] == "bias" or k in q4_checkpoint.layer_keys([k], prefix[:-1]))
+    }
+    load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
+    return {k: v for k, v in checkpoint.items() if k not in mine}

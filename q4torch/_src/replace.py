@@ -1,10 +1,14 @@
-"""replace_linear: swap every nn.Linear of a model for a quantized layer."""
+"""replace_linear: swap every nn.Linear of a model for a quantized layer;
+load_quantized: load a quantized checkpoint into a float model."""
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import os
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -107,3 +111,71 @@ def replace_linear(
         after / 2**20,
     )
     return model
+
+
+def _to_torch(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    arr = np.asarray(value)
+    if arr.dtype.name == "bfloat16":  # ml_dtypes, as q4.checkpoint returns it
+        return torch.from_numpy(arr.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())
+
+
+class _NumpyView(Mapping):
+    """A state dict seen as numpy arrays, converted on access (only the
+    quantized layers' entries are read)."""
+
+    def __init__(self, d: Mapping):
+        self._d = d
+
+    def __getitem__(self, key):
+        v = self._d[key]
+        return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.Module:
+    """Load a quantized checkpoint into a float model, in place.
+
+    ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
+    writes) or a state dict of tensors / numpy arrays in the bitsandbytes
+    format. Every ``nn.Linear`` that the checkpoint stores quantized is first
+    replaced by a ``Linear4bit`` / ``Linear8bitLt`` built with the file's
+    quant type, block size and nesting; then the whole state dict is loaded
+    (``strict`` as in ``load_state_dict``). A quantized layer the model does
+    not have as a linear layer is a ValueError naming it. Returns ``model``.
+    """
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = q4.checkpoint.load_file(checkpoint)
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a path or a state dict, got {type(checkpoint).__name__}")
+    groups = q4.checkpoint.quantized_groups(_NumpyView(checkpoint))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    wanted = {name for names in groups.values() for name in names}
+    unknown = sorted(n for n in wanted if type(modules.get(n)) is not nn.Linear and not _is_quantized(modules.get(n)))
+    if unknown:
+        raise ValueError(f"the checkpoint quantizes layers this model does not have as nn.Linear: {unknown}")
+    replaced: dict[int, nn.Module] = {}
+    for (quant_type, blocksize, nested), names in groups.items():
+        for name in names:
+            linear = modules[name]
+            if type(linear) is not nn.Linear:
+                continue  # already quantized: load_state_dict takes the checkpoint's format
+            if id(linear) not in replaced:
+                replaced[id(linear)] = _quantized(linear, quant_type, None, blocksize or 64, bool(nested), 0.0)
+            model.set_submodule(name, replaced[id(linear)])
+    model.load_state_dict({k: _to_torch(v) for k, v in checkpoint.items()}, strict=strict)
+    return model
+
+
+def _is_quantized(module) -> bool:
+    from q4torch._src.linear4bit import Linear4bit
+    from q4torch._src.linear8bit import Linear8bitLt
+
+    return isinstance(module, (Linear4bit, Linear8bitLt))

@@ -120,7 +120,7 @@ def test_nf4_checkpoint_loads_in_both_frameworks(q4_nf4, fp32_embeddings, tmp_pa
     expected = torch_model.embed(q4_nf4, SENTENCES)
     q4.checkpoint.save_file(_numpy_state(q4_nf4), tmp_path / "nf4.safetensors")
     ckpt = common.load_tensors(tmp_path / "nf4.safetensors")
-    assert {p for ps in common.quantized_layers(ckpt).values() for p in ps} == {
+    assert set(q4.checkpoint.validate(ckpt)) == {
         name for name, m in q4_nf4.named_modules() if isinstance(m, q4torch.nn.Linear4bit)
     }
     # torch: the same bytes through the same kernel, the same computation
@@ -140,8 +140,8 @@ def test_mixed_checkpoint_loads_in_both_frameworks(torch_fp32, fp32_embeddings):
     q4torch.replace_linear(model, "int8", skip=("*attention.output.dense",))
     expected = torch_model.embed(model, SENTENCES)
     ckpt = _numpy_state(model)
-    layers = common.quantized_layers(ckpt)
-    assert {k: len(v) for k, v in layers.items()} == {"nf4": 18, "fp4": 12, "int8": 1}
+    groups = q4.checkpoint.quantized_groups(ckpt)
+    assert {k[0]: len(v) for k, v in groups.items()} == {"nf4": 18, "fp4": 12, "int8": 1}
     np.testing.assert_array_equal(torch_model.embed(torch_model.load(ckpt), SENTENCES), expected)
     flax = flax_model.load(ckpt)
     # As for NF4: the same kernels, only the float ops around them differ (measured 1.5e-7).
