@@ -189,11 +189,22 @@ def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Sha
                     )
                 shard.quantize.append(key)
                 entries.update(_plan_entries(r, key, opts))
-                layer_meta[layer] = {"name": layer, "shape": list(r.shape(key))}
-            # q4.layers: one JSON object per layer, at most this long
+                # the layer's q4.layers entry as validate() will describe it (the
+                # header is sized with it; the written one comes from validate())
+                if opts.quant_type == "int8":
+                    layer_meta[layer] = {"kind": "Linear8bitLt", "shape": list(r.shape(key))}
+                else:
+                    layer_meta[layer] = {
+                        "blocksize": opts.blocksize,
+                        "compute_dtype": r.dtype(key).name,
+                        "kind": "Linear4bit",
+                        "nested": opts.nested,
+                        "quant_type": opts.quant_type,
+                        "shape": list(r.shape(key)),
+                    }
             meta_bound = {
                 "format": "pt",
-                "q4.layers": " " * sum(len(json.dumps(m)) + 160 for m in layer_meta.values()),
+                "q4.layers": json.dumps(layer_meta, sort_keys=True) + " " * 256,
             }
             shard.bound = header_bound(entries, meta_bound) + 2
     except BaseException:

@@ -395,3 +395,19 @@ def test_minilm_quantize_inspect_parity(tmp_path, capsys):
     assert rows["encoder.layer.3.intermediate.dense"][:4] == ["1536x384", "nf4", "64", "yes"]
     assert main(["parity", str(out)]) == 0
     assert "37/37 layers pass" in capsys.readouterr().out
+
+
+def test_unusual_tensor_names(rng, tmp_path, capsys):
+    """Names that JSON escapes (quotes, backslashes, non-ASCII) and many layers:
+    the header, sized before any data is written, still fits."""
+    tensors = {
+        f'layer{i}.ü"\\weird.weight': (rng.standard_normal((8, 64)) * 0.1).astype(np.float32) for i in range(300)
+    }
+    src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    checkpoint.save_file(tensors, src)
+    for argv in (["--type", "nf4"], ["--type", "int8"]):
+        assert main(["quantize", str(src), str(out), *argv]) == 0
+        got = checkpoint.load_file(out)
+        assert len(json.loads(checkpoint.load_metadata(out)["q4.layers"])) == 300
+        assert set(q4.checkpoint.validate(got)) == {k[: -len(".weight")] for k in tensors}
+    capsys.readouterr()
