@@ -28,7 +28,8 @@ matches --skip or one of the default patterns ({skip}) are kept.
 IN may be a .safetensors file, a sharded checkpoint's *.index.json, or a
 directory holding either. OUT is a .safetensors file, or for sharded input a
 directory (or *.index.json path) that receives one shard per input shard and
-a new index. Tensors are processed one at a time (a checkpoint larger than
+a new index (from a model directory to a directory, the model's other files
+such as config and tokenizer are copied too). Tensors are processed one at a time (a checkpoint larger than
 memory works); nothing is written under OUT's name until everything is done.
 
 examples:
@@ -139,6 +140,9 @@ def cmd_quantize(args) -> int:
     table(["", "count", "bytes before", "bytes after", "mean rel. error"], rows)
     if worst is not None:
         print(f"largest error: {worst.name} ({worst.rel_error:.4f}); rel. error = ||W - Q(W)||_F / ||W||_F")
+    if res.copied:
+        names = ", ".join(str(p) for p in res.copied[:4]) + (", ..." if len(res.copied) > 4 else "")
+        print(f"copied {len(res.copied)} other files of the model directory ({names})")
     if res.skipped:
         print(
             f"kept in full precision by --skip/default patterns: {len(res.skipped)} layers ({', '.join(list(res.skipped)[:4])}{', ...' if len(res.skipped) > 4 else ''})"

@@ -23,6 +23,7 @@ import fnmatch
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,6 +40,8 @@ TYPES = ("nf4", "fp4", "int8")
 DEFAULT_SKIP = ("*embed*", "*wte", "*wpe", "lm_head", "*.lm_head")
 _FLOATS = ("float32", "float16", "bfloat16")
 _INDEX_SUFFIX = ".index.json"
+# float weights in other formats are not copied next to the quantized ones
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,7 @@ class Result:
     bytes_in: int
     bytes_out: int
     outputs: list[Path]
+    copied: list[Path] = dataclasses.field(default_factory=list)  # other files of a model directory
 
 
 # ------------------------------------------------------------------ inputs
@@ -273,11 +277,14 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             raise CheckpointError(f"{f}: no such file (listed in {index})")
         if any(f.resolve() == o.resolve() for o in outs):
             raise CheckpointError(f"{f}: the output would overwrite the input")
-    if not outs[0].parent.exists():
-        if out_index is None and len(outs) == 1:
-            raise CheckpointError(f"{outs[0].parent}: no such directory")
-        outs[0].parent.mkdir(parents=True)
+    to_dir = not dst.name.endswith(".safetensors")
+    if not to_dir and not outs[0].parent.is_dir():
+        raise CheckpointError(f"{outs[0].parent}: no such directory")
+    # with a directory in and a directory out, the model's other files come along
+    src_dir = Path(src) if Path(src).is_dir() else index.parent if index is not None else None
+    extras = _extra_files(src_dir, files, index) if to_dir and src_dir is not None else []
     shards, skipped = _plan(files, outs, opts)
+    outs[0].parent.mkdir(parents=True, exist_ok=True)
     writers: list[Writer] = []
     layers, kept = [], []
     weight_map: dict[str, str] = {}
@@ -312,13 +319,36 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             w.publish()
         if out_index is not None:
             _write_index(out_index, weight_map, sum(w.size for w in writers))
+        for rel in extras:
+            if (outs[0].parent / rel).resolve() != (src_dir / rel).resolve():
+                (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src_dir / rel, outs[0].parent / rel)
     finally:
         for w in writers:
             w.abort()
         for shard in shards:
             shard.reader.close()
     return Result(
-        layers, kept, skipped, total, sum(o.stat().st_size for o in outs), outs + ([out_index] if out_index else [])
+        layers,
+        kept,
+        skipped,
+        total,
+        sum(o.stat().st_size for o in outs),
+        outs + ([out_index] if out_index else []),
+        [Path(e) for e in extras],
+    )
+
+
+def _extra_files(src_dir: Path, files: list[Path], index: Path | None) -> list[str]:
+    """The model directory's other files (config, tokenizer, ...), relative paths."""
+    skip = {f.resolve() for f in files} | ({index.resolve()} if index is not None else set())
+    return sorted(
+        str(p.relative_to(src_dir))
+        for p in src_dir.rglob("*")
+        if p.is_file()
+        and p.resolve() not in skip
+        and p.suffix not in _WEIGHT_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(src_dir).parts)
     )
 
 

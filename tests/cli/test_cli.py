@@ -214,12 +214,19 @@ def test_sharded_checkpoint(source, tmp_path, capsys):
         checkpoint.save_file({k: tensors[k] for k in part}, shards / name)
         weight_map.update(dict.fromkeys(part, name))
     (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    # the model directory's other files come along; float weights in other formats do not
+    (shards / "config.json").write_text('{"hidden": 64}')
+    (shards / "1_Pooling").mkdir()
+    (shards / "1_Pooling" / "config.json").write_text("{}")
+    (shards / "pytorch_model.bin").write_bytes(b"float weights")
 
     single = tmp_path / "single.safetensors"
     assert main(["quantize", str(src), str(single)]) == 0
     out = tmp_path / "out"
     assert main(["quantize", str(shards), str(out)]) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert (out / "config.json").read_text() == '{"hidden": 64}' and (out / "1_Pooling" / "config.json").exists()
+    assert not (out / "pytorch_model.bin").exists()
     whole = checkpoint.load_file(single)
     assert set(index["weight_map"]) == set(whole)
     for name in parts:
@@ -233,6 +240,13 @@ def test_sharded_checkpoint(source, tmp_path, capsys):
     assert rows["quantized layers"][0] == "4" and "files (2)" in rows
     assert main(["parity", str(out / "model.safetensors.index.json")]) == 0
     assert "4/4 layers pass" in capsys.readouterr().out
+    # one file in a directory -> a new directory
+    (tmp_path / "single-dir").mkdir()
+    checkpoint.save_file(tensors, tmp_path / "single-dir" / "model.safetensors")
+    (tmp_path / "single-dir" / "tokenizer.json").write_text("{}")
+    assert main(["quantize", str(tmp_path / "single-dir"), str(tmp_path / "new" / "dir")]) == 0
+    assert sorted(p.name for p in (tmp_path / "new" / "dir").iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert "copied 1 other files" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # a sharded input cannot go to one file
         raise SystemExit(main(["quantize", str(shards), str(tmp_path / "one.safetensors")]))
     assert "write them to a directory" in capsys.readouterr().err
@@ -284,6 +298,10 @@ def test_user_mistakes_are_one_line_and_leave_nothing(source, tmp_path, capsys):
         assert rc == 1, what
         assert len(err) == 1 and err[0].startswith("q4: error: ") and message in err[0], (what, captured.err)
         assert list(out_dir.iterdir()) == [], (what, list(out_dir.iterdir()))
+    # a directory output is created only once the input checks out
+    assert main(["quantize", str(cases["truncated"][0]), str(tmp_path / "never" / "made")]) == 1
+    assert not (tmp_path / "never").exists()
+    capsys.readouterr()
     # inspect and parity report corrupted files the same way
     for cmd in ("inspect", "parity"):
         for what in ("corrupted header", "truncated", "missing"):
