@@ -4,6 +4,19 @@ from q4torch import functional, nn
 from q4torch._src.replace import load_quantized, replace_linear
 from q4torch.functional import QuantState, matmul_4bit
 
+
+def _share_threads() -> None:
+    from q4._src.native import NativeLibraryError
+    from q4torch._src.threads import use_torch_openmp
+
+    try:
+        use_torch_openmp()
+    except NativeLibraryError:
+        pass  # reported by the first op that needs the library
+
+
+_share_threads()
+
 __all__ = [
     "QuantState",
     "QuantStateLoadPlanner",

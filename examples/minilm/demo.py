@@ -11,16 +11,11 @@ frameworks' quantized embeddings are apart, and sentences per second.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-# PyTorch's OpenMP threads spin after each op and take the cores from q4's
-# thread pool between the layers; passive waiting hands them back (README, Speed).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))

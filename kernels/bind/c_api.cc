@@ -53,6 +53,10 @@ int32_t q4_cpu_has_avx512(void) { return q4::cpu_has_avx512() ? 1 : 0; }
 int32_t q4_set_cpu_isa(int32_t isa) { return finish(q4::set_cpu_isa(isa)); }
 int32_t q4_cpu_num_threads(void) { return q4::cpu_num_threads(); }
 void q4_set_cpu_num_threads(int32_t n) { q4::set_cpu_num_threads(n); }
+void q4_set_cpu_fork_join(void* gomp_parallel) {
+  q4::set_cpu_fork_join(reinterpret_cast<q4::ForkJoinFn>(gomp_parallel));
+}
+void* q4_cpu_fork_join(void) { return reinterpret_cast<void*>(q4::cpu_fork_join()); }
 
 int32_t q4_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, int32_t quant_type,
                          uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size) {

@@ -30,6 +30,11 @@ Q4_API int32_t q4_cpu_has_avx512(void);
 Q4_API int32_t q4_set_cpu_isa(int32_t isa);
 Q4_API int32_t q4_cpu_num_threads(void);
 Q4_API void q4_set_cpu_num_threads(int32_t n);
+// Run the CPU kernels' threads through an OpenMP-style fork-join entry point
+// (GOMP_parallel's signature, e.g. the OpenMP runtime the host framework
+// already runs); NULL: q4's own thread pool. See q4/kernels.h.
+Q4_API void q4_set_cpu_fork_join(void* gomp_parallel);
+Q4_API void* q4_cpu_fork_join(void);
 
 Q4_API int32_t q4_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, int32_t quant_type,
                                 uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size);

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
@@ -11,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -110,11 +112,69 @@ Pool& pool() {
 }
 
 thread_local bool t_in_parallel = false;
+std::atomic<ForkJoinFn> g_fork_join{nullptr};
+std::atomic<pid_t> g_fork_join_pid{0};  // an OpenMP team does not survive fork(): children use q4's pool
+thread_local const TaskScheduler* t_scheduler = nullptr;
+
+// One parallel_for call: chunks are claimed from `next` by every worker (the
+// caller included), each run with IEEE denormals. On a scheduler's workers
+// the Job is shared-owned and the caller waits until every claimed chunk is
+// finished (`finished` == chunks), never for a task that has not started: a
+// task the scheduler runs late claims nothing (`next` is past the end) and
+// touches only the Job.
+struct Job {
+  std::function<void(int64_t)> run_chunk;
+  int64_t chunks = 0;
+  std::atomic<int64_t> next{0}, finished{0};
+  std::mutex mu;
+  std::condition_variable done;
+
+  void work() {
+    cpu::ScopedIeeeFloat ieee;
+    const bool outer = t_in_parallel;
+    t_in_parallel = true;
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      run_chunk(c);
+      if (finished.fetch_add(1) + 1 == chunks) {
+        std::lock_guard<std::mutex> lk(mu);
+        done.notify_all();
+      }
+    }
+    t_in_parallel = outer;
+  }
+
+  void wait() {
+    std::unique_lock<std::mutex> lk(mu);
+    done.wait(lk, [&] { return finished.load() == chunks; });
+  }
+};
+
+void run_job_task(void* data) {
+  auto* holder = static_cast<std::shared_ptr<Job>*>(data);
+  std::shared_ptr<Job> job = std::move(*holder);
+  delete holder;
+  job->work();
+}
+
+void run_fork_join_task(void* data) { static_cast<Job*>(data)->work(); }
 
 }  // namespace
 
-int cpu_num_threads() { return g_requested > 0 ? g_requested : default_threads(); }
+int cpu_num_threads() {
+  if (t_scheduler != nullptr) return std::max(1, t_scheduler->num_threads);
+  return g_requested > 0 ? g_requested : default_threads();
+}
 void set_cpu_num_threads(int n) { g_requested = n > 0 ? n : 0; }
+void set_cpu_fork_join(ForkJoinFn fn) {
+  g_fork_join_pid.store(getpid());
+  g_fork_join.store(fn);
+}
+ForkJoinFn cpu_fork_join() { return g_fork_join.load(); }
+
+ScopedTaskScheduler::ScopedTaskScheduler(const TaskScheduler& s) : saved_(t_scheduler), own_(s) {
+  t_scheduler = own_.schedule != nullptr ? &own_ : saved_;
+}
+ScopedTaskScheduler::~ScopedTaskScheduler() { t_scheduler = saved_; }
 
 namespace cpu {
 
@@ -135,17 +195,21 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   // which thread ran it.
   const int64_t chunks = std::min<int64_t>(max_chunks, int64_t(threads) * 4);
   const int64_t per = (n + chunks - 1) / chunks;
-  std::atomic<int64_t> next{0};
-  std::function<void(int)> worker = [&](int) {
-    ScopedIeeeFloat ieee;
-    t_in_parallel = true;
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      const int64_t b = c * per, e = std::min(n, b + per);
-      if (b < e) fn(b, e);
-    }
-    t_in_parallel = false;
+  auto job = std::make_shared<Job>();
+  job->chunks = chunks;
+  job->run_chunk = [&fn, per, n](int64_t c) {
+    const int64_t b = c * per, e = std::min(n, b + per);
+    if (b < e) fn(b, e);
   };
-  pool().run(threads, worker);
+  if (const TaskScheduler* sched = t_scheduler) {  // the host's workers (e.g. XLA's pool)
+    for (int i = 1; i < threads; ++i) sched->schedule(sched->ctx, run_job_task, new std::shared_ptr<Job>(job));
+    job->work();
+  } else if (ForkJoinFn fork_join = g_fork_join.load(); fork_join != nullptr && g_fork_join_pid.load() == getpid()) {
+    fork_join(run_fork_join_task, job.get(), static_cast<unsigned>(threads), 0);  // the host's OpenMP team
+  } else {
+    pool().run(threads, [&](int) { job->work(); });  // q4's own pool
+  }
+  job->wait();
 }
 
 #if defined(__x86_64__) || defined(__i386__)

@@ -55,6 +55,8 @@ _SIGNATURES = {
     "q4_set_cpu_isa": (c_int32, [c_int32]),
     "q4_cpu_num_threads": (c_int32, []),
     "q4_set_cpu_num_threads": (None, [c_int32]),
+    "q4_set_cpu_fork_join": (None, [c_void_p]),
+    "q4_cpu_fork_join": (c_void_p, []),
     "q4_quantize_4bit": (
         c_int32,
         [c_void_p, c_int32, c_int64, c_int64, c_int32, c_void_p, c_int64, c_void_p, c_int64],
@@ -227,6 +229,18 @@ def cpu_has_avx512() -> bool:
 
 def num_threads() -> int:
     return int(lib().q4_cpu_num_threads())
+
+
+def set_fork_join(gomp_parallel: int | None) -> None:
+    """Run the CPU kernels' threads through an OpenMP runtime's GOMP_parallel
+    (its address), so they are that runtime's threads rather than a second
+    pool competing with them; None: q4's own pool. q4torch sets PyTorch's."""
+    lib().q4_set_cpu_fork_join(gomp_parallel)
+
+
+def fork_join() -> int | None:
+    """The fork-join entry point in use (an address), or None for q4's own pool."""
+    return lib().q4_cpu_fork_join()
 
 
 def set_num_threads(n: int) -> None:

@@ -249,4 +249,38 @@ Status set_cpu_isa(int32_t isa);  // force one (scalar always; others if support
 int cpu_num_threads();
 void set_cpu_num_threads(int n);  // n <= 0: back to the default
 
+// Running the CPU kernels' threads on the host framework's own workers, so
+// that two thread pools do not compete for the cores (a pool that spins
+// after its work, as OpenMP's and Eigen's do, takes the cores from a second
+// one). Both are plain C callbacks: the library stays framework-free.
+//
+// A fork-join entry point with the OpenMP runtime's GOMP_parallel signature:
+// fork_join(fn, data, num_threads, 0) runs fn(data) on num_threads threads
+// (the caller's included) and returns when all are done. Process-wide;
+// nullptr goes back to q4's own pool.
+using ForkJoinFn = void (*)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+void set_cpu_fork_join(ForkJoinFn fn);
+ForkJoinFn cpu_fork_join();
+
+// A task scheduler for the current thread only (e.g. XLA's intra-op pool
+// during a custom call): schedule(ctx, task, data) runs task(data) later on
+// one of num_threads workers. Installed for the lifetime of the object;
+// takes precedence over the fork-join entry point and q4's own pool.
+struct TaskScheduler {
+  void* ctx = nullptr;
+  void (*schedule)(void* ctx, void (*task)(void*), void* data) = nullptr;
+  int num_threads = 0;
+};
+class ScopedTaskScheduler {
+ public:
+  explicit ScopedTaskScheduler(const TaskScheduler& s);
+  ~ScopedTaskScheduler();
+  ScopedTaskScheduler(const ScopedTaskScheduler&) = delete;
+  ScopedTaskScheduler& operator=(const ScopedTaskScheduler&) = delete;
+
+ private:
+  const TaskScheduler* saved_;
+  TaskScheduler own_;
+};
+
 }  // namespace q4
