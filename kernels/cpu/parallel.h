@@ -1,7 +1,11 @@
-// A persistent worker pool for the CPU kernels. parallel_for splits [0, n)
-// into contiguous chunks of at least `grain` items (up to 4 per thread, handed
-// out dynamically) and runs fn(begin, end) on each; the caller's thread works
-// too. fn may be called several times per thread.
+// Threads for the CPU kernels. parallel_for splits [0, n) into contiguous
+// chunks of at least `grain` items (up to 4 per thread, handed out
+// dynamically) and runs fn(begin, end) on each; the caller's thread works too.
+// fn may be called several times per thread. The workers are, in order of
+// precedence: the current thread's TaskScheduler (XLA's intra-op pool during a
+// custom call), the process's fork-join entry point (the host framework's
+// OpenMP team; not in a forked child), else a persistent pool of q4's own
+// (see q4/kernels.h).
 // Thread count: set_cpu_num_threads(), else Q4_NUM_THREADS, else
 // OMP_NUM_THREADS, else the hardware concurrency.
 #pragma once
