@@ -4,7 +4,6 @@ custom calls). The bytes and values never depend on it."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -69,25 +68,43 @@ def test_same_bytes_on_every_backend(threads):
     assert on_openmp == on_own_pool
 
 
-def _child(queue) -> None:
-    queue.put(_work())
+_FORK_CHECK = """
+import multiprocessing, sys
+import numpy as np
+import q4, q4torch
+from q4._src import native
+
+def work():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((300, 512)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((37, 512)).astype(np.float32)
+    packed, absmax = q4.quantize_4bit(w, 64, "nf4")
+    return q4.gemm_4bit(x, packed, q4.QuantState("nf4", 64, w.shape, "float32", absmax)).tobytes()
+
+def child(queue):
+    queue.put(work())
+
+assert native.fork_join() is not None
+want = work()  # the parent's OpenMP team exists now
+ctx = multiprocessing.get_context("fork")
+queue = ctx.Queue()
+proc = ctx.Process(target=child, args=(queue,), daemon=True)
+proc.start()
+got = queue.get(timeout=60)  # before join: the child exits once its result is read
+proc.join(timeout=30)
+sys.exit(0 if proc.exitcode == 0 and got == want else 3)
+"""
 
 
 def test_forked_child_does_not_use_the_parents_openmp_team():
     """An OpenMP team does not survive fork(); a child falls back to q4's own
-    pool instead of hanging (DataLoader workers fork)."""
-    want = _work()  # the parent's team exists now
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue,))
-    proc.start()
+    pool instead of hanging (DataLoader workers fork). Run in a process of its
+    own: this one has JAX's threads, which must not be forked."""
     try:
-        got = queue.get(timeout=60)  # before join: the child exits once its result is read
-    except Exception:
-        proc.kill()
+        r = subprocess.run([sys.executable, "-c", _FORK_CHECK], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
         pytest.fail("a q4 kernel in a forked child hung")
-    proc.join(timeout=30)
-    assert proc.exitcode == 0 and got == want
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_xla_pool_gives_the_same_results():
