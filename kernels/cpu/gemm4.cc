@@ -29,6 +29,7 @@
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
+#include "rows.h"
 #include "simd_avx2.h"
 
 namespace q4 {
@@ -472,21 +473,10 @@ Q4_AVX2 void micro_q(int q_count, const float* a, int64_t lda, const float* b0, 
 // R (1..6) rows x q_count (1..2) vectors.
 Q4_AVX2 void micro_any(int rows, int q_count, const float* a, int64_t lda, const float* b0, const float* b1,
                        int64_t ldb, int64_t len, float* acc_mem) {
-  switch (rows) {
-    case 6:
-      if (q_count == 2) return micro_6x2(a, lda, b0, b1, ldb, len, acc_mem);
-      return micro_q<6>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
-    case 5:
-      return micro_q<5>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
-    case 4:
-      return micro_q<4>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
-    case 3:
-      return micro_q<3>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
-    case 2:
-      return micro_q<2>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
-    default:
-      return micro_q<1>(q_count, a, lda, b0, b1, ldb, len, acc_mem);
-  }
+  if (rows == 6 && q_count == 2) return micro_6x2(a, lda, b0, b1, ldb, len, acc_mem);
+#define Q4_MICRO(R) micro_q<R>(q_count, a, lda, b0, b1, ldb, len, acc_mem)
+  Q4_ROWS_SWITCH_6(rows, Q4_MICRO)
+#undef Q4_MICRO
 }
 
 template <QuantType QT>
@@ -635,16 +625,9 @@ void grad_input_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Sc
   if (p.m <= 4) {
     const int64_t groups = p.k / 8;
     parallel_for(groups, 32, [&](int64_t g0, int64_t g1) {
-      switch (p.m) {
-        case 4:
-          return grad_rows_avx2<QT, 4>(p, dy, scales, g0, g1);
-        case 3:
-          return grad_rows_avx2<QT, 3>(p, dy, scales, g0, g1);
-        case 2:
-          return grad_rows_avx2<QT, 2>(p, dy, scales, g0, g1);
-        default:
-          return grad_rows_avx2<QT, 1>(p, dy, scales, g0, g1);
-      }
+#define Q4_GRAD_ROWS(R) grad_rows_avx2<QT, R>(p, dy, scales, g0, g1)
+      Q4_ROWS_SWITCH_4(p.m, Q4_GRAD_ROWS)
+#undef Q4_GRAD_ROWS
     });
     return;
   }
@@ -659,20 +642,9 @@ void gemm_dispatch(const Gemm4bitParams& p, const float* x, const Scales& scales
   if (cpu_isa() >= kIsaAvx2 && p.k % 8 == 0) {
     if (p.m > 4) return gemm_tiled_avx2<QT>(p, x, scales);
     for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
-      switch (std::min<int64_t>(4, p.m - m0)) {
-        case 4:
-          gemv_avx2<QT, 4>(p, x, scales, m0);
-          break;
-        case 3:
-          gemv_avx2<QT, 3>(p, x, scales, m0);
-          break;
-        case 2:
-          gemv_avx2<QT, 2>(p, x, scales, m0);
-          break;
-        default:
-          gemv_avx2<QT, 1>(p, x, scales, m0);
-          break;
-      }
+#define Q4_GEMV(R) gemv_avx2<QT, R>(p, x, scales, m0)
+      Q4_ROWS_SWITCH_4(std::min<int64_t>(4, p.m - m0), Q4_GEMV)
+#undef Q4_GEMV
     }
     return;
   }
@@ -688,12 +660,18 @@ void grad_dispatch(const Gemm4bitGradInputParams& p, const float* dy, const Scal
   grad_input_scalar<QT>(p, dy, scales);
 }
 
+// The params' own checks, then a caller-supplied nested code book's.
+template <typename P>
+Status validate_with_code_book(const P& p) {
+  Status s = validate(p);
+  if (s.ok() && p.scales.nested() && p.scales.nested_code) s = validate_code_book(p.scales.nested_code);
+  return s;
+}
+
 }  // namespace
 
 Status gemm_4bit(const Gemm4bitParams& p) {
-  Status s = validate(p);
-  if (!s.ok()) return s;
-  if (p.scales.nested() && p.scales.nested_code) s = validate_code_book(p.scales.nested_code);
+  const Status s = validate_with_code_book(p);
   if (!s.ok()) return s;
   ScopedIeeeFloat ieee;
   const Scales scales(p.scales);
@@ -703,9 +681,7 @@ Status gemm_4bit(const Gemm4bitParams& p) {
 }
 
 Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p) {
-  Status s = validate(p);
-  if (!s.ok()) return s;
-  if (p.scales.nested() && p.scales.nested_code) s = validate_code_book(p.scales.nested_code);
+  const Status s = validate_with_code_book(p);
   if (!s.ok()) return s;
   ScopedIeeeFloat ieee;
   const Scales scales(p.scales);

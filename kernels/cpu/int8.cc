@@ -46,6 +46,7 @@
 #include "parallel.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
+#include "rows.h"
 #include "simd_avx2.h"
 
 namespace q4 {
@@ -396,29 +397,16 @@ void dot_tile(bool simd, int mr, const int8_t* xq, int64_t xs, const int8_t* con
               const int8_t (*wtail)[32], int32_t (*acc)[kLinNR]) {
 #if Q4_HAVE_AVX2_CODE
   if (simd) {
-    switch (mr) {
-      case 4:
-        return dot_tile_avx2<4, NR>(xq, xs, w, k, wtail, acc);
-      case 3:
-        return dot_tile_avx2<3, NR>(xq, xs, w, k, wtail, acc);
-      case 2:
-        return dot_tile_avx2<2, NR>(xq, xs, w, k, wtail, acc);
-      default:
-        return dot_tile_avx2<1, NR>(xq, xs, w, k, wtail, acc);
-    }
+#define Q4_DOT(R) dot_tile_avx2<R, NR>(xq, xs, w, k, wtail, acc)
+    Q4_ROWS_SWITCH_4(mr, Q4_DOT)
+#undef Q4_DOT
+    return;
   }
 #endif
   (void)wtail;
-  switch (mr) {
-    case 4:
-      return dot_tile_scalar<4, NR>(xq, xs, w, k, acc);
-    case 3:
-      return dot_tile_scalar<3, NR>(xq, xs, w, k, acc);
-    case 2:
-      return dot_tile_scalar<2, NR>(xq, xs, w, k, acc);
-    default:
-      return dot_tile_scalar<1, NR>(xq, xs, w, k, acc);
-  }
+#define Q4_DOT(R) dot_tile_scalar<R, NR>(xq, xs, w, k, acc)
+  Q4_ROWS_SWITCH_4(mr, Q4_DOT)
+#undef Q4_DOT
 }
 
 // Output columns of W row blocks [b0, b1) (block = kLinNR rows) for X rows [m0, m1).
@@ -561,20 +549,9 @@ Q4_AVX2 void grad_direct_dispatch_mr(const float* panel, const int8_t* w, int64_
 // width 16 or 8.
 void grad_tile_direct(int mr, const float* panel, const int8_t* w, int64_t ws, int64_t nlen, int64_t width, float* acc,
                       int64_t as) {
-  switch (mr) {
-    case 6:
-      return grad_direct_dispatch_mr<6>(panel, w, ws, nlen, width, acc, as);
-    case 5:
-      return grad_direct_dispatch_mr<5>(panel, w, ws, nlen, width, acc, as);
-    case 4:
-      return grad_direct_dispatch_mr<4>(panel, w, ws, nlen, width, acc, as);
-    case 3:
-      return grad_direct_dispatch_mr<3>(panel, w, ws, nlen, width, acc, as);
-    case 2:
-      return grad_direct_dispatch_mr<2>(panel, w, ws, nlen, width, acc, as);
-    default:
-      return grad_direct_dispatch_mr<1>(panel, w, ws, nlen, width, acc, as);
-  }
+#define Q4_GRAD(R) grad_direct_dispatch_mr<R>(panel, w, ws, nlen, width, acc, as)
+  Q4_ROWS_SWITCH_6(mr, Q4_GRAD)
+#undef Q4_GRAD
 }
 #endif
 
@@ -590,20 +567,9 @@ void grad_tile(bool simd, const float* panel, const float* wf, int64_t nlen, int
 
 void grad_tile_dispatch(int mr, bool simd, const float* panel, const float* wf, int64_t nlen, int64_t width, float* acc,
                         int64_t as) {
-  switch (mr) {
-    case 6:
-      return grad_tile<6>(simd, panel, wf, nlen, width, acc, as);
-    case 5:
-      return grad_tile<5>(simd, panel, wf, nlen, width, acc, as);
-    case 4:
-      return grad_tile<4>(simd, panel, wf, nlen, width, acc, as);
-    case 3:
-      return grad_tile<3>(simd, panel, wf, nlen, width, acc, as);
-    case 2:
-      return grad_tile<2>(simd, panel, wf, nlen, width, acc, as);
-    default:
-      return grad_tile<1>(simd, panel, wf, nlen, width, acc, as);
-  }
+#define Q4_GRAD(R) grad_tile<R>(simd, panel, wf, nlen, width, acc, as)
+  Q4_ROWS_SWITCH_6(mr, Q4_GRAD)
+#undef Q4_GRAD
 }
 
 // Row blocks of one pass: sizes differ by at most one, none above kGradMR.
