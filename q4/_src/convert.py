@@ -237,7 +237,7 @@ def _outputs(files: list[Path], index: Path | None, dst: Path) -> tuple[list[Pat
 
 def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndarray], LayerResult]:
     w = r.read(key)
-    prefix = key[: -len("weight")]
+    prefix = key[: -len("weight")]  # "<layer>."
     if opts.quant_type == "int8":
         cb, scb = quantize_weight_int8(w)
         out = {prefix + "weight": cb, prefix + "SCB": scb, prefix + "weight_format": np.array(0, np.uint8)}
@@ -247,7 +247,7 @@ def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndar
         out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
         approx = dequantize_weight_4bit(packed, state)
     err = _rel_error(w, approx)
-    res = LayerResult(key[:-7], w.shape, w.dtype.name, w.nbytes, sum(a.nbytes for a in out.values()), err)
+    res = LayerResult(prefix[:-1], w.shape, w.dtype.name, w.nbytes, sum(a.nbytes for a in out.values()), err)
     return out, res
 
 

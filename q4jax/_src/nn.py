@@ -889,12 +889,10 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
                 )
             )
         _set_child(parent, key, replaced[id(child)])
-    prefixes = [prefix for prefix, _ in _layers(module)]
-    mine = {
-        k
-        for k in checkpoint
-        for prefix in prefixes
-        if k.startswith(prefix) and (k[len(prefix) :] == "bias" or k in q4_checkpoint.layer_keys([k], prefix[:-1]))
-    }
+    mine: set[str] = set()  # each linear layer's weight entries and bias
+    for prefix, _ in _layers(module):
+        mine.update(q4_checkpoint.layer_keys(checkpoint, prefix[:-1]))
+        if prefix + "bias" in checkpoint:
+            mine.add(prefix + "bias")
     load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
     return {k: v for k, v in checkpoint.items() if k not in mine}

@@ -415,17 +415,13 @@ class Linear4bit(nn.Linear):
             return
         data = state_dict[weight_key]
         device = self.weight.device
+        stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
         try:
             if _is_dtensor(self.weight):
-                self._load_sharded(weight_key, data, {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys})
-            elif any(k.startswith(weight_key + "." + _JSON_KEY) for k in quant_keys):
-                stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
+                self._load_sharded(weight_key, data, stats)
+            elif any(k.startswith(_JSON_KEY) for k in stats):
                 new = Params4bit.from_prequantized(data, stats, device=device, module=self)
-                if tuple(new.quant_state.shape) != (self.out_features, self.in_features):
-                    raise q4.QuantStateError(
-                        f"'{weight_key}' quant_state shape {tuple(new.quant_state.shape)} does not match this "
-                        f"layer's ({self.out_features}, {self.in_features})"
-                    )
+                self._check_state_shape(weight_key, new.quant_state)
                 self.weight = new
                 self.quant_state = new.quant_state
             elif quant_keys:
@@ -458,6 +454,13 @@ class Linear4bit(nn.Linear):
         except (ValueError, TypeError) as e:
             errs.append(f"while loading '{weight_key}': {e}")
 
+    def _check_state_shape(self, weight_key: str, quant_state: F.QuantState) -> None:
+        if tuple(quant_state.shape) != (self.out_features, self.in_features):
+            raise q4.QuantStateError(
+                f"'{weight_key}' quant_state shape {tuple(quant_state.shape)} does not match this "
+                f"layer's ({self.out_features}, {self.in_features})"
+            )
+
     def _load_sharded(self, weight_key: str, data: torch.Tensor, stats: dict[str, Any]) -> None:
         """Load a quantized checkpoint into a weight that FSDP2 has sharded (a DTensor).
 
@@ -485,11 +488,7 @@ class Linear4bit(nn.Linear):
                 f"'{weight_key}' is a {data.dtype} DTensor, but the sharded weight stores its bytes as {weight.dtype}"
             )
         quant_state = F.QuantState.from_dict(stats, device=weight.device)
-        if tuple(quant_state.shape) != (self.out_features, self.in_features):
-            raise q4.QuantStateError(
-                f"'{weight_key}' quant_state shape {tuple(quant_state.shape)} does not match this "
-                f"layer's ({self.out_features}, {self.in_features})"
-            )
+        self._check_state_shape(weight_key, quant_state)
         _check_packed(data, quant_state, weight_key)
         with torch.no_grad():
             weight.copy_(data)

@@ -107,11 +107,8 @@ def _rows(text: str, first: str) -> dict[str, list[str]]:
 
 
 def _layer_keys(tensors, layer):
-    return {
-        k[len(layer) + 1 :]: v
-        for k, v in tensors.items()
-        if k.startswith(layer + ".") and not k.endswith(".bias") and "." not in k[len(layer) + 1 :].split("weight")[0]
-    }
+    """A quantized layer's stored entries (keys relative to the layer; not its bias)."""
+    return {k[len(layer) + 1 :]: tensors[k] for k in checkpoint.layer_keys(tensors, layer)}
 
 
 @pytest.mark.parametrize("argv,fmt", SPECS)

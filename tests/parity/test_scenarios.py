@@ -114,13 +114,10 @@ def test_frameworks_agree(spec, rng, dtype):
 
 def _dequantized(state) -> np.ndarray:
     import q4
+    from q4._src.weights import dequantize_weight_4bit
 
     entries = {k[len("weight.") :]: v for k, v in state.items() if k.startswith("weight.")}
-    st = q4.QuantState.from_dict(entries)
-    absmax = st.absmax
-    if st.nested:
-        absmax = q4.dequantize_blockwise(st.absmax, st.nested_absmax, 256, offset=st.nested_offset)
-    return q4.dequantize_4bit(state["weight"], absmax, st.shape, st.blocksize, st.quant_type)
+    return dequantize_weight_4bit(state["weight"], q4.QuantState.from_dict(entries))
 
 
 def test_checkpoint_hops_including_bitsandbytes(spec, rng, tmp_path):
