@@ -27,6 +27,17 @@ Status check_quant_type(QuantType q) {
 }
 Status check_n(int64_t n) {
   if (n <= 0) return Status::Invalid("element count must be positive, got " + S(n));
+  if (n > kMaxElements)
+    return Status::Invalid("element count " + S(n) + " exceeds the largest supported count " + S(kMaxElements));
+  return Status::Ok();
+}
+// a * b as an element count: fails when the product overflows or exceeds kMaxElements.
+Status check_product(const char* what, int64_t a, int64_t b, int64_t* out = nullptr) {
+  const int64_t r = checked_count(a, b);
+  if (r < 0)
+    return Status::Invalid(std::string(what) + " = " + S(a) + " * " + S(b) +
+                           " overflows or exceeds the largest supported count " + S(kMaxElements));
+  if (out) *out = r;
   return Status::Ok();
 }
 Status check_size(const char* what, int64_t got, int64_t want) {
@@ -107,10 +118,14 @@ Status validate(const QuantizeNestedParams& p) {
 
 namespace {
 
+// Positive dimensions whose products m*k (input), n*k (weight) and m*n
+// (output) are valid element counts.
 Status check_dims(int64_t m, int64_t n, int64_t k) {
   if (m <= 0 || n <= 0 || k <= 0)
     return Status::Invalid("matmul dimensions must be positive, got m=" + S(m) + " n=" + S(n) + " k=" + S(k));
-  return Status::Ok();
+  Q4_RETURN_IF_ERROR(check_product("input size m*k", m, k));
+  Q4_RETURN_IF_ERROR(check_product("weight size n*k", n, k));
+  return check_product("output size m*n", m, n);
 }
 
 Status check_scales(const Absmax4& a, int64_t n_elements, int64_t blocksize) {
@@ -155,6 +170,7 @@ Status validate(const Gemm4bitGradInputParams& p) {
 Status validate(const Int8QuantizeRowsParams& p) {
   if (p.rows <= 0 || p.cols <= 0)
     return Status::Invalid("int8 row quantization needs a non-empty matrix, got " + S(p.rows) + " x " + S(p.cols));
+  Q4_RETURN_IF_ERROR(check_product("input size rows*cols", p.rows, p.cols));
   Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
   if (!(p.threshold >= 0.0f))
     return Status::Invalid("threshold must be >= 0 (0 disables outliers), got " + std::to_string(p.threshold));

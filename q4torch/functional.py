@@ -37,6 +37,10 @@ __all__ = [
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+# read from the kernel library once: check_quant_state runs inside torch.compile
+# graphs, where a ctypes call cannot be traced
+_MIN_BLOCKSIZE, _MAX_BLOCKSIZE = formats.min_blocksize(), formats.max_blocksize()
+_NESTED_BLOCKSIZE = formats.nested_blocksize()
 
 
 def get_4bit_type(typename: str, device=None) -> torch.Tensor:
@@ -209,10 +213,68 @@ class QuantState:
 def _check_tensors(**named) -> None:
     """A must be a tensor; optional tensor arguments must be tensors or None."""
     for name, value in named.items():
-        if (value is not None or name == "A") and not isinstance(value, torch.Tensor):
+        required = name in ("A", "B")
+        if (value is not None or required) and not isinstance(value, torch.Tensor):
             raise TypeError(
-                f"{name} must be a torch.Tensor{'' if name == 'A' else ' or None'}, got {type(value).__name__}"
+                f"{name} must be a torch.Tensor{'' if required else ' or None'}, got {type(value).__name__}"
             )
+
+
+def check_quant_state(quant_state, packed: torch.Tensor | None = None, what: str = "quant_state") -> QuantState:
+    """The one check of a 4-bit QuantState (every function that takes one calls
+    it): quant_type, blocksize, dtype, a non-empty shape; absmax holds
+    ceil(n/blocksize) values (floating, or uint8 codes when nested); a nested
+    state has state2 (float32 absmax of ceil(n_blocks/256) values, block 256)
+    and a one-element float offset. With `packed` (viewed as uint8), its byte
+    count must be ceil(n/2). Raises TypeError / ValueError naming the value."""
+    if not isinstance(quant_state, QuantState):
+        raise TypeError(f"{what} must be a q4torch.functional.QuantState, got {type(quant_state).__name__}")
+    qs = quant_state
+    formats.check_quant_type(qs.quant_type)
+    bs = qs.blocksize
+    if isinstance(bs, bool) or not isinstance(bs, int) or not (_MIN_BLOCKSIZE <= bs <= _MAX_BLOCKSIZE) or bs & (bs - 1):
+        raise ValueError(f"{what}.blocksize must be a power of two in [{_MIN_BLOCKSIZE}, {_MAX_BLOCKSIZE}], got {bs!r}")
+    if qs.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"{what}.dtype must be torch.float32, float16 or bfloat16, got {qs.dtype!r}")
+    try:
+        shape = tuple(qs.shape)
+    except TypeError:
+        shape = None
+    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise ValueError(f"{what}.shape must be a non-empty sequence of positive ints, got {qs.shape!r}")
+    n = math.prod(shape)
+    nb = formats.num_blocks(n, qs.blocksize)
+    if not isinstance(qs.absmax, torch.Tensor):
+        raise TypeError(f"{what}.absmax must be a tensor, got {type(qs.absmax).__name__}")
+    ok_dtype = qs.absmax.dtype == torch.uint8 if qs.nested else qs.absmax.dtype.is_floating_point
+    if qs.absmax.numel() != nb or not ok_dtype:
+        kind = "uint8 codes (nested)" if qs.nested else "floating-point values"
+        raise ValueError(
+            f"{what}.absmax must hold {nb} {kind} for shape {shape} and blocksize {qs.blocksize}, "
+            f"got {qs.absmax.dtype}[{qs.absmax.numel()}]"
+        )
+    if qs.nested:
+        s2 = qs.state2
+        n2 = formats.num_blocks(nb, _NESTED_BLOCKSIZE)
+        if not isinstance(s2, QuantState) or not isinstance(s2.absmax, torch.Tensor):
+            raise TypeError(f"{what}.state2 must be a QuantState holding the nested absmax, got {type(s2).__name__}")
+        if s2.absmax.dtype != torch.float32 or s2.absmax.numel() != n2:
+            raise ValueError(f"{what}.state2.absmax must be float32[{n2}], got {s2.absmax.dtype}[{s2.absmax.numel()}]")
+        if s2.blocksize != _NESTED_BLOCKSIZE:
+            raise ValueError(f"{what}.state2.blocksize must be {_NESTED_BLOCKSIZE}, got {s2.blocksize!r}")
+        off = qs.offset
+        if not isinstance(off, torch.Tensor) or off.numel() != 1 or not off.dtype.is_floating_point:
+            got = (
+                "None"
+                if off is None
+                else (f"{off.dtype}[{off.numel()}]" if isinstance(off, torch.Tensor) else repr(off))
+            )
+            raise ValueError(f"{what} is nested and needs offset, a one-element float tensor; got {got}")
+    if packed is not None:
+        nbytes = packed.numel() * packed.element_size()
+        if nbytes != formats.packed_bytes(n):
+            raise ValueError(f"packed weight has {nbytes} bytes, {what}.shape {shape} needs {formats.packed_bytes(n)}")
+    return qs
 
 
 def _resolve_blocksize(blocksize, default):
@@ -297,6 +359,8 @@ def dequantize_4bit(
             blocksize=_resolve_blocksize(blocksize, 64),
             quant_type=quant_type,
         )
+    _check_tensors(A=A, out=out)
+    check_quant_state(quant_state, A)
     packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
     absmax = _state_absmax(quant_state)
     if (
@@ -409,6 +473,8 @@ def matmul_4bit(
     """
     if quant_state is None:
         raise ValueError("matmul_4bit needs the weight's quant_state")
+    _check_tensors(A=A, B=B, out=out, bias=bias)
+    check_quant_state(quant_state, B)
     if len(quant_state.shape) != 2:
         raise ValueError(f"matmul_4bit needs a 2-D weight, quant_state.shape is {tuple(quant_state.shape)}")
     n, k = (int(s) for s in quant_state.shape)

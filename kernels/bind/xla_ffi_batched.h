@@ -84,6 +84,15 @@ inline ffi::Error same_batch(const char* what, int64_t count, int64_t per_item, 
   return ffi::Error::Success();
 }
 
+// *out = a * b as an element count (see kMaxElements), or an error naming `what`.
+inline ffi::Error count_of(const char* what, int64_t a, int64_t b, int64_t* out) {
+  *out = checked_count(a, b);
+  if (*out < 0)
+    return invalid(std::string(what) + " = " + std::to_string(a) + " * " + std::to_string(b) +
+                   " overflows or exceeds the largest supported count " + std::to_string(kMaxElements));
+  return ffi::Error::Success();
+}
+
 #define Q4_FFI_CHECK(expr)         \
   do {                             \
     ::xla::ffi::Error _e = (expr); \
@@ -367,7 +376,9 @@ inline ffi::Error weight4_items(ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absm
                                 ffi::Buffer<ffi::F32> nested_offset, int64_t n, int64_t k, int64_t blocksize,
                                 int64_t nested, int64_t* items) {
   if (n <= 0 || k <= 0 || blocksize <= 0) return invalid("n, k and blocksize must be positive");
-  const int64_t per = packed_bytes(n * k), blocks = ceil_div(n * k, blocksize);
+  int64_t nk = 0;
+  Q4_FFI_CHECK(count_of("weight size n*k", n, k, &nk));
+  const int64_t per = packed_bytes(nk), blocks = ceil_div(nk, blocksize);
   Q4_FFI_CHECK(batch_of("packed weight", packed.element_count(), per, items));
   const ffi::DataType want = nested ? ffi::DataType::U8 : ffi::DataType::F32;
   if (absmax.element_type() != want)
@@ -409,9 +420,11 @@ ffi::Error gemm_4bit_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi:
   Gemm4bitParams p;
   if (!dtype_of(x.element_type(), &p.x_dtype)) return invalid("gemm_4bit input must be float32, float16 or bfloat16");
   if (!dtype_of(out->element_type(), &p.out_dtype)) return invalid("gemm_4bit output must be a float type");
-  int64_t rows = 0;
-  Q4_FFI_CHECK(batch_of("input (rows of k)", x.element_count(), k * items, &rows));
-  Q4_FFI_CHECK(same_batch("output", out->element_count(), n * items, rows));
+  int64_t rows = 0, k_items = 0, n_items = 0;
+  Q4_FFI_CHECK(count_of("input row size k*items", k, items, &k_items));
+  Q4_FFI_CHECK(count_of("output row size n*items", n, items, &n_items));
+  Q4_FFI_CHECK(batch_of("input (rows of k)", x.element_count(), k_items, &rows));
+  Q4_FFI_CHECK(same_batch("output", out->element_count(), n_items, rows));
   const bool has_bias = bias.element_count() > 0;
   if (has_bias) {
     if (!dtype_of(bias.element_type(), &p.bias_dtype)) return invalid("bias must be a float type");
@@ -445,9 +458,11 @@ ffi::Error gemm_4bit_grad_input_batched(ffi::AnyBuffer grad_out, ffi::Buffer<ffi
   Gemm4bitGradInputParams p;
   if (!dtype_of(grad_out.element_type(), &p.grad_out_dtype)) return invalid("grad_out must be a float type");
   if (!dtype_of(grad_input->element_type(), &p.grad_input_dtype)) return invalid("grad_input must be a float type");
-  int64_t rows = 0;
-  Q4_FFI_CHECK(batch_of("grad_out (rows of n)", grad_out.element_count(), n * items, &rows));
-  Q4_FFI_CHECK(same_batch("grad_input", grad_input->element_count(), k * items, rows));
+  int64_t rows = 0, k_items = 0, n_items = 0;
+  Q4_FFI_CHECK(count_of("grad_input row size k*items", k, items, &k_items));
+  Q4_FFI_CHECK(count_of("grad_out row size n*items", n, items, &n_items));
+  Q4_FFI_CHECK(batch_of("grad_out (rows of n)", grad_out.element_count(), n_items, &rows));
+  Q4_FFI_CHECK(same_batch("grad_input", grad_input->element_count(), k_items, rows));
   p.m = rows;
   p.n = n;
   p.k = k;
@@ -470,14 +485,17 @@ ffi::Error int8_linear_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ff
                                ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k,
                                float threshold, Run run) {
   if (n <= 0 || k <= 0) return invalid("n and k must be positive");
-  int64_t items = 0, rows = 0;
-  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), n * k, &items));
+  int64_t items = 0, rows = 0, nk = 0, k_items = 0, n_items = 0;
+  Q4_FFI_CHECK(count_of("weight size n*k", n, k, &nk));
+  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), nk, &items));
+  Q4_FFI_CHECK(count_of("k*items", k, items, &k_items));
+  Q4_FFI_CHECK(count_of("n*items", n, items, &n_items));
   Q4_FFI_CHECK(same_batch("weight scale", scale.element_count(), n, items));
   Int8LinearParams p;
   if (!dtype_of(x.element_type(), &p.x_dtype)) return invalid("int8_linear input must be a float type");
   if (!dtype_of(out->element_type(), &p.out_dtype)) return invalid("int8_linear output must be a float type");
-  Q4_FFI_CHECK(batch_of("input (rows of k)", x.element_count(), k * items, &rows));
-  Q4_FFI_CHECK(same_batch("output", out->element_count(), n * items, rows));
+  Q4_FFI_CHECK(batch_of("input (rows of k)", x.element_count(), k_items, &rows));
+  Q4_FFI_CHECK(same_batch("output", out->element_count(), n_items, rows));
   const bool has_bias = bias.element_count() > 0;
   if (has_bias) {
     if (!dtype_of(bias.element_type(), &p.bias_dtype)) return invalid("bias must be a float type");
@@ -502,14 +520,17 @@ template <class Run>
 ffi::Error int8_grad_input_batched(ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
                                    ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k, Run run) {
   if (n <= 0 || k <= 0) return invalid("n and k must be positive");
-  int64_t items = 0, rows = 0;
-  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), n * k, &items));
+  int64_t items = 0, rows = 0, nk = 0, k_items = 0, n_items = 0;
+  Q4_FFI_CHECK(count_of("weight size n*k", n, k, &nk));
+  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), nk, &items));
+  Q4_FFI_CHECK(count_of("k*items", k, items, &k_items));
+  Q4_FFI_CHECK(count_of("n*items", n, items, &n_items));
   Q4_FFI_CHECK(same_batch("weight scale", scale.element_count(), n, items));
   Int8GradInputParams p;
   if (!dtype_of(grad_out.element_type(), &p.grad_out_dtype)) return invalid("grad_out must be a float type");
   if (!dtype_of(grad_input->element_type(), &p.grad_input_dtype)) return invalid("grad_input must be a float type");
-  Q4_FFI_CHECK(batch_of("grad_out (rows of n)", grad_out.element_count(), n * items, &rows));
-  Q4_FFI_CHECK(same_batch("grad_input", grad_input->element_count(), k * items, rows));
+  Q4_FFI_CHECK(batch_of("grad_out (rows of n)", grad_out.element_count(), n_items, &rows));
+  Q4_FFI_CHECK(same_batch("grad_input", grad_input->element_count(), k_items, rows));
   p.m = rows;
   p.n = n;
   p.k = k;

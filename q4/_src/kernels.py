@@ -170,13 +170,23 @@ def dequantize_4bit(
     return out
 
 
+def _code_book(code) -> np.ndarray | None:
+    """An 8-bit code book as the kernels read it: 256 contiguous fp32 values
+    (None: the dynamic map). The kernels index all 256, so any other length is
+    refused here, before a pointer is passed."""
+    if code is None:
+        return None
+    arr = np.ascontiguousarray(code, np.float32)
+    if arr.size != 256:
+        raise ValueError(f"code must hold 256 values, got {arr.size} (shape {arr.shape})")
+    return arr.reshape(256)
+
+
 def quantize_blockwise(x: np.ndarray, blocksize: int = 4096, code: np.ndarray | None = None):
     """8-bit blockwise quantization (dynamic map by default): (codes uint8 like x, absmax float32)."""
     x = _input(x)
     bs = formats.check_blocksize(blocksize)
-    code_arr = None if code is None else np.ascontiguousarray(code, np.float32)
-    if code_arr is not None and code_arr.size != 256:
-        raise ValueError(f"code must hold 256 values, got {code_arr.size}")
+    code_arr = _code_book(code)
     codes = np.empty(x.shape, np.uint8)
     absmax = np.empty(formats.num_blocks(x.size, bs), np.float32)
     quantize_blockwise_ptr(
@@ -199,7 +209,7 @@ def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, offset
         raise ValueError(
             f"absmax has {absmax.size} values, {codes.size} codes with blocksize {bs} need {formats.num_blocks(codes.size, bs)}"
         )
-    code_arr = None if code is None else np.ascontiguousarray(code, np.float32)
+    code_arr = _code_book(code)
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     out = np.empty(codes.shape, _np_dtype(name))
     dequantize_blockwise_ptr(

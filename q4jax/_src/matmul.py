@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 
 from q4jax._src import ffi
-from q4jax._src.quant import QuantState
+from q4jax._src.quant import QuantState, check_state
 
 
-def _check(x, packed, state: QuantState, bias):
-    if not isinstance(state, QuantState):
-        raise TypeError(f"state must be a q4jax.QuantState, got {type(state).__name__}")
+def check_matmul_4bit(x, packed, state: QuantState, bias) -> None:
+    """Trace-time checks of matmul_4bit's operands: the weight and its state
+    (quant.check_state), a 2-D weight, x's features and dtype, bias shape."""
+    check_state(packed, state)
     if len(state.shape) != 2:
         raise ValueError(f"a matmul weight must be 2-D (out_features, in_features), got shape {state.shape}")
     n, k = state.shape
@@ -23,10 +24,10 @@ def _check(x, packed, state: QuantState, bias):
             f"x has {x.shape[-1] if x.ndim else 0} features, the weight expects {k} (weight shape {state.shape})"
         )
     ffi.dtype_name(x.dtype)
-    if packed.dtype != jnp.uint8:
-        raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
+        ffi.dtype_name(bias.dtype)
 
 
 def _forward(x, packed, state, bias):
@@ -93,7 +94,7 @@ def matmul_4bit(x: jax.Array, packed: jax.Array, state: QuantState, bias: jax.Ar
     frozen). Works under jit, vmap (over x, or over stacked weights), grad,
     jax.checkpoint and lax.scan.
     """
-    _check(x, packed, state, bias)
+    check_matmul_4bit(x, packed, state, bias)
     return _matmul_4bit(x, packed, state, bias)
 
 

@@ -107,25 +107,61 @@ def state_absmax(state: QuantState) -> jax.Array:
     )
 
 
-def _check_state(packed, state: QuantState) -> None:
+def check_state(packed, state: QuantState) -> None:
+    """The one check of a packed 4-bit weight and its state, at trace time
+    (every function taking a QuantState calls it): quant_type, blocksize,
+    dtype and shape are valid; packed is uint8 with ceil(n/2) bytes; absmax
+    holds ceil(n/blocksize) values (f32, or uint8 codes when nested); a nested
+    state has ceil(n_blocks/256) f32 nested_absmax and one f32 offset.
+    Raises TypeError / ValueError naming the bad value."""
     if not isinstance(state, QuantState):
         raise TypeError(f"state must be a q4jax.QuantState, got {type(state).__name__}")
-    n = math.prod(state.shape)
+    formats.check_quant_type(state.quant_type)
+    formats.check_blocksize(state.blocksize)
+    formats.check_dtype_name(state.dtype)
+    shape = state.shape
+    if (
+        not isinstance(shape, tuple)
+        or not shape
+        or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0 for s in shape)
+    ):
+        raise ValueError(f"state.shape must be a non-empty tuple of positive ints, got {shape!r}")
+    n = math.prod(int(s) for s in shape)
     if packed.dtype != jnp.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
     if packed.size != formats.packed_bytes(n):
-        raise ValueError(f"packed has {packed.size} bytes, shape {state.shape} needs {formats.packed_bytes(n)}")
+        raise ValueError(f"packed has {packed.size} bytes, shape {shape} needs {formats.packed_bytes(n)}")
     nb = formats.num_blocks(n, state.blocksize)
     if state.absmax.size != nb:
         raise ValueError(
-            f"absmax has {state.absmax.size} values, shape {state.shape} with blocksize {state.blocksize} needs {nb}"
+            f"absmax has {state.absmax.size} values, shape {shape} with blocksize {state.blocksize} needs {nb}"
         )
+    want = jnp.uint8 if state.nested else jnp.float32
+    if state.absmax.dtype != want:
+        raise TypeError(
+            f"absmax must be {jnp.dtype(want).name}{' (nested codes)' if state.nested else ''}, "
+            f"got {state.absmax.dtype}"
+        )
+    if state.nested:
+        n2 = formats.num_blocks(nb, formats.nested_blocksize())
+        if state.nested_absmax.size != n2 or state.nested_absmax.dtype != jnp.float32:
+            raise ValueError(
+                f"nested_absmax must be float32[{n2}], got {state.nested_absmax.dtype}[{state.nested_absmax.size}]"
+            )
+        off = state.nested_offset
+        if off is None or jnp.size(off) != 1 or jnp.asarray(off).dtype != jnp.float32:
+            raise ValueError(
+                "a nested state needs nested_offset, one float32 value, got "
+                + ("None" if off is None else f"{jnp.asarray(off).dtype}{tuple(jnp.shape(off))}")
+            )
+    elif state.nested_offset is not None:
+        raise ValueError("nested_offset is set but nested_absmax is None (a plain state has neither)")
 
 
 @jax.jit
 def dequantize_4bit(packed: jax.Array, state: QuantState) -> jax.Array:
     """decode(nibble) * absmax[block] in fp32, rounded to state.dtype, shaped state.shape."""
-    _check_state(packed, state)
+    check_state(packed, state)
     return ffi.dequantize_4bit_raw(
         packed, state_absmax(state), state.shape, state.dtype, state.blocksize, state.quant_type
     )
@@ -152,4 +188,6 @@ def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, dtype:
     if absmax.size != nb:
         raise ValueError(f"absmax has {absmax.size} values, {codes.size} codes with blocksize {bs} need {nb}")
     code = jnp.asarray(formats.code_table("dynamic")) if code is None else jnp.asarray(code, jnp.float32)
+    if code.shape[-1:] != (256,):
+        raise ValueError(f"code must hold 256 values, got shape {code.shape}")
     return ffi.dequantize_blockwise_raw(codes, absmax, code, None, bs, ffi.dtype_name(dtype))

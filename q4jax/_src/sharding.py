@@ -66,8 +66,8 @@ from jax.sharding import PartitionSpec as P
 
 from q4._src import formats
 from q4jax._src import ffi
-from q4jax._src.matmul import _check
-from q4jax._src.quant import QuantState, _check_state, state_absmax
+from q4jax._src.matmul import check_matmul_4bit
+from q4jax._src.quant import QuantState, check_state, state_absmax
 
 MODES = ("column", "row", "replicated")
 
@@ -270,7 +270,7 @@ def shard_4bit(packed: jax.Array, state: QuantState, sharding: LinearSharding) -
     state) for ``sharding`` and place it on the mesh. Validates first
     (``check_4bit``); the result is what ``sharded_matmul_4bit`` takes.
     ``unshard_4bit`` gives the canonical arrays back."""
-    _check_state(packed, state)
+    check_state(packed, state)
     decode = check_4bit(sharding, state.shape, state.blocksize, state.nested)
     state = jax.tree.map(lambda a: jnp.asarray(_gathered(a)), state)
     packed = jnp.reshape(jnp.asarray(_gathered(packed)), (-1, 1))
@@ -530,7 +530,7 @@ def sharded_matmul_4bit(
     column-parallel, the kernel's blocking for a smaller local batch).
     """
     _check_sharding(sharding)
-    _check(x, packed, state, bias)
+    check_matmul_4bit(x, packed, state, bias)
     if check_4bit(sharding, state.shape, state.blocksize, state.nested):
         raise ValueError(
             f"this nested state is in the canonical layout; {sharding.mode}-parallel needs it decoded: "

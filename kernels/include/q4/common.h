@@ -33,6 +33,10 @@ enum StatusCode : int32_t {
 constexpr int64_t kMinBlocksize = 32;
 constexpr int64_t kMaxBlocksize = 4096;
 constexpr int64_t kNestedBlocksize = 256;  // block size of the nested absmax
+// Largest element count of any tensor an op takes (2^48). Every entry point
+// rejects larger counts and larger products of dimensions, so each offset a
+// kernel forms (count * 4 bytes, row * k + col, item * count) fits in int64.
+constexpr int64_t kMaxElements = int64_t(1) << 48;
 // Lower bound applied to absmax before taking its reciprocal, so an all-zero
 // block scales by 1e38 instead of inf (zeros stay zero). Stored as the absmax
 // of a partial last block, as the reference format does.
@@ -119,7 +123,8 @@ struct Elem<bf16_t> {
   Q4_HD static void store(bf16_t* p, int64_t i, float v) { p[i].bits = f32_to_bf16(v); }
 };
 
-Q4_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for b > 0, without forming a + b (0 for a <= 0).
+Q4_HD int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : 1 + (a - 1) / b; }
 Q4_HD bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
 // absmax -> the multiplier used to scale a block into [-1, 1]. NaN stays NaN

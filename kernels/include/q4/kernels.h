@@ -23,6 +23,14 @@
 
 namespace q4 {
 
+// a * b for element counts: -1 when either is negative, the product
+// overflows int64, or it exceeds kMaxElements (host code only).
+inline int64_t checked_count(int64_t a, int64_t b) {
+  int64_t r = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r) || r > kMaxElements) return -1;
+  return r;
+}
+
 struct Status {
   StatusCode code = kOk;
   std::string message;
