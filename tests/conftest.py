@@ -38,9 +38,14 @@ def device(request):
 
 
 def _use_isa(name):
-    supported = {"scalar": True, "avx2": q4.cpu_has_avx2(), "avx512": q4.cpu_has_avx512()}
+    supported = {
+        "scalar": True,
+        "avx2": q4.cpu_has_avx2(),
+        "avx512": q4.cpu_has_avx512(),
+        "avx512_bf16": q4.cpu_has_avx512_bf16(),
+    }
     if not supported[name]:
-        pytest.skip(f"processor lacks {name}")
+        pytest.skip(f"not run: the processor lacks {name} ({q4.cpu_features()['features']})")
     before = q4.cpu_isa()
     q4.set_cpu_isa(name)
     return before
@@ -54,9 +59,9 @@ def isa(request):
     q4.set_cpu_isa(before)
 
 
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
+@pytest.fixture(params=["avx512_bf16", "avx512", "avx2", "scalar"])
 def isa_all(request):
-    """As `isa`, plus the AVX-512 path (only the batch-1 4-bit gemv differs there)."""
+    """As `isa`, plus the AVX-512 levels (their kernels: kernels/cpu/dispatch.h)."""
     before = _use_isa(request.param)
     yield request.param
     q4.set_cpu_isa(before)

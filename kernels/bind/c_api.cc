@@ -50,6 +50,12 @@ int64_t q4_nested_blocksize(void) { return q4::kNestedBlocksize; }
 int32_t q4_cpu_isa(void) { return q4::cpu_isa(); }
 int32_t q4_cpu_has_avx2(void) { return q4::cpu_has_avx2() ? 1 : 0; }
 int32_t q4_cpu_has_avx512(void) { return q4::cpu_has_avx512() ? 1 : 0; }
+int32_t q4_cpu_has_avx512_bf16(void) { return q4::cpu_has_avx512_bf16() ? 1 : 0; }
+const char* q4_cpu_features_json(void) {
+  thread_local std::string json;
+  json = q4::cpu_features_json();
+  return json.c_str();
+}
 int32_t q4_set_cpu_isa(int32_t isa) { return finish(q4::set_cpu_isa(isa)); }
 int32_t q4_cpu_num_threads(void) { return q4::cpu_num_threads(); }
 void q4_set_cpu_num_threads(int32_t n) { q4::set_cpu_num_threads(n); }

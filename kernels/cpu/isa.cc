@@ -1,63 +1,180 @@
-// Instruction-set selection for the CPU kernels: the best level the processor
-// supports (AVX-512 F/BW/VL, else AVX2 with FMA and F16C, else scalar).
-// Q4_ISA=scalar|avx2|avx512 or set_cpu_isa() forces one; forcing a level the
-// processor lacks is an error (the environment variable then falls back to
-// the best supported level).
+// CPU feature detection (cpuid + the OS's XSAVE state), the ISA levels and
+// the kernel table of each (dispatch.h). The active level is the best one the
+// processor supports, or the one Q4_ISA / set_cpu_isa names; naming a level
+// the processor lacks is an error (Q4_ISA is checked by the Python loader,
+// which refuses unknown names; here an unusable value falls back to the best
+// level).
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
+#include "dispatch.h"
 #include "q4/kernels.h"
 
 namespace q4 {
 namespace {
 
-bool detect_avx2() {
+struct Features {
+  bool avx2 = false;    // with FMA and F16C, and the OS saving ymm state
+  bool avx512 = false;  // F, BW, VL, and the OS saving zmm and opmask state
+  bool avx512_vbmi = false, avx512_bf16 = false, avx512_vnni = false, avx_vnni = false;
+  bool amx_bf16 = false, amx_int8 = false;
+};
+
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
+uint64_t xgetbv0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
 }
 
-bool detect_avx512() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return detect_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+Features detect() {
+  Features f;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), fma = c & (1u << 12), f16c = c & (1u << 29);
+  if (!osxsave || !avx) return f;
+  const uint64_t xcr0 = xgetbv0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;
+  const bool zmm_state = ymm_state && (xcr0 & 0xe0) == 0xe0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const uint32_t b7 = b, c7 = c, d7 = d;
+  f.avx2 = ymm_state && fma && f16c && (b7 & (1u << 5));
+  f.avx512 = f.avx2 && zmm_state && (b7 & (1u << 16)) && (b7 & (1u << 30)) && (b7 & (1u << 31));
+  f.avx512_vbmi = f.avx512 && (c7 & (1u << 1));
+  f.avx512_vnni = f.avx512 && (c7 & (1u << 11));
+  f.amx_bf16 = d7 & (1u << 22);
+  f.amx_int8 = d7 & (1u << 25);
+  if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) {
+    f.avx512_bf16 = f.avx512 && (a & (1u << 5));
+    f.avx_vnni = f.avx2 && (a & (1u << 4));
+  }
+  return f;
+}
 #else
-  return false;
+Features detect() { return {}; }
 #endif
+
+const Features& features() {
+  static const Features f = detect();
+  return f;
 }
 
-Isa best_isa() { return detect_avx512() ? kIsaAvx512 : detect_avx2() ? kIsaAvx2 : kIsaScalar; }
+constexpr const char* kLevelNames[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
+constexpr int kLevels = 4;
+
+Isa best_isa() {
+  const Features& f = features();
+  if (f.avx512 && f.avx512_bf16 && f.avx512_vnni) return kIsaAvx512Bf16;
+  if (f.avx512) return kIsaAvx512;
+  return f.avx2 ? kIsaAvx2 : kIsaScalar;
+}
+
+// The chains of one level: best kernel first, the scalar reference last.
+cpu::KernelTable build_table(Isa isa) {
+  cpu::KernelTable t;
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa >= kIsaAvx512Bf16) {
+    t.gemm4.add("avx512_bf16.gemm4", cpu::avx512_bf16::gemm4);
+    t.grad4.add("avx512_bf16.grad4", cpu::avx512_bf16::grad4);
+  }
+  if (isa >= kIsaAvx512) {
+    t.gemm4.add("avx512.gemm4", cpu::avx512::gemm4);
+    t.grad4.add("avx512.grad4", cpu::avx512::grad4);
+  }
+  if (isa >= kIsaAvx2) {
+    t.gemm4.add("avx2.gemm4", cpu::avx2::gemm4);
+    t.grad4.add("avx2.grad4", cpu::avx2::grad4);
+  }
+#endif
+  t.gemm4.add("scalar.gemm4", cpu::scalar::gemm4);
+  t.grad4.add("scalar.grad4", cpu::scalar::grad4);
+  return t;
+}
+
+const cpu::KernelTable& table_of(Isa isa) {
+  static const cpu::KernelTable tables[kLevels] = {build_table(kIsaScalar), build_table(kIsaAvx2),
+                                                   build_table(kIsaAvx512), build_table(kIsaAvx512Bf16)};
+  return tables[isa];
+}
 
 Isa initial_isa() {
   const char* v = std::getenv("Q4_ISA");
   const Isa best = best_isa();
   if (v == nullptr) return best;
-  if (std::strcmp(v, "scalar") == 0) return kIsaScalar;
-  if (std::strcmp(v, "avx2") == 0 && best >= kIsaAvx2) return kIsaAvx2;
+  for (int i = 0; i < kLevels; ++i)
+    if (std::strcmp(v, kLevelNames[i]) == 0 && i <= best) return static_cast<Isa>(i);
   return best;
 }
 
-Isa g_isa = initial_isa();
+std::atomic<int> g_isa{initial_isa()};
+std::atomic<const char*> g_last[int(cpu::Op::kCount)];
+
+void json_bool(std::string& s, const char* name, bool v) {
+  s += std::string("\"") + name + "\": " + (v ? "true" : "false") + ", ";
+}
+void json_chain(std::string& s, const char* op, const char* const* names, int count) {
+  s += std::string("\"") + op + "\": [";
+  for (int i = 0; i < count; ++i) s += std::string(i ? ", " : "") + "\"" + names[i] + "\"";
+  s += "]";
+}
 
 }  // namespace
 
-bool cpu_has_avx2() { return detect_avx2(); }
-bool cpu_has_avx512() { return detect_avx512(); }
-Isa cpu_isa() { return g_isa; }
+namespace cpu {
+const KernelTable& kernel_table() { return table_of(static_cast<Isa>(g_isa.load(std::memory_order_relaxed))); }
+void record_kernel(Op op, const char* name) { g_last[int(op)].store(name, std::memory_order_relaxed); }
+const char* last_kernel(Op op) {
+  const char* n = g_last[int(op)].load(std::memory_order_relaxed);
+  return n ? n : "";
+}
+}  // namespace cpu
+
+bool cpu_has_avx2() { return features().avx2; }
+bool cpu_has_avx512() { return features().avx512; }
+bool cpu_has_avx512_bf16() { return best_isa() >= kIsaAvx512Bf16; }
+Isa cpu_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
+const char* cpu_isa_name(int32_t isa) { return isa >= 0 && isa < kLevels ? kLevelNames[isa] : ""; }
 
 Status set_cpu_isa(int32_t isa) {
-  if (isa < kIsaScalar || isa > kIsaAvx512)
-    return Status::Invalid("isa must be 0 (scalar), 1 (avx2) or 2 (avx512), got " + std::to_string(isa));
+  if (isa < kIsaScalar || isa >= kLevels)
+    return Status::Invalid("isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (avx512_bf16), got " +
+                           std::to_string(isa));
   if (isa > best_isa())
-    return {kUnsupported, "this processor does not support isa " + std::to_string(isa) + "; the best it supports is " +
-                              std::to_string(best_isa())};
-  g_isa = static_cast<Isa>(isa);
+    return {kUnsupported, std::string("this processor does not support isa ") + kLevelNames[isa] +
+                              "; the best it supports is " + kLevelNames[best_isa()]};
+  g_isa.store(isa, std::memory_order_relaxed);
   return Status::Ok();
+}
+
+std::string cpu_features_json() {
+  const Features& f = features();
+  std::string s = "{\"features\": {";
+  json_bool(s, "avx2", f.avx2);
+  json_bool(s, "avx512", f.avx512);
+  json_bool(s, "avx512_vbmi", f.avx512_vbmi);
+  json_bool(s, "avx512_bf16", f.avx512_bf16);
+  json_bool(s, "avx512_vnni", f.avx512_vnni);
+  json_bool(s, "avx_vnni", f.avx_vnni);
+  json_bool(s, "amx_bf16", f.amx_bf16);
+  s += std::string("\"amx_int8\": ") + (f.amx_int8 ? "true" : "false") + "}, ";
+  s += std::string("\"best_isa\": \"") + kLevelNames[best_isa()] + "\", ";
+  s += std::string("\"isa\": \"") + kLevelNames[cpu_isa()] + "\", \"kernels\": {";
+  const cpu::KernelTable& t = cpu::kernel_table();
+  const char* names[cpu::kMaxChain];
+  for (int i = 0; i < t.gemm4.size; ++i) names[i] = t.gemm4.entries[i].name;
+  json_chain(s, "gemm_4bit", names, t.gemm4.size);
+  s += ", ";
+  for (int i = 0; i < t.grad4.size; ++i) names[i] = t.grad4.entries[i].name;
+  json_chain(s, "gemm_4bit_grad_input", names, t.grad4.size);
+  s += "}, \"last_kernel\": {\"gemm_4bit\": \"" + std::string(cpu::last_kernel(cpu::Op::kGemm4)) +
+       "\", \"gemm_4bit_grad_input\": \"" + std::string(cpu::last_kernel(cpu::Op::kGrad4)) + "\"}}";
+  return s;
 }
 
 }  // namespace q4

@@ -8,6 +8,7 @@ first that exists is loaded; failures name the path and the reason.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from pathlib import Path
 
@@ -52,6 +53,8 @@ _SIGNATURES = {
     "q4_cpu_isa": (c_int32, []),
     "q4_cpu_has_avx2": (c_int32, []),
     "q4_cpu_has_avx512": (c_int32, []),
+    "q4_cpu_has_avx512_bf16": (c_int32, []),
+    "q4_cpu_features_json": (ctypes.c_char_p, []),
     "q4_set_cpu_isa": (c_int32, [c_int32]),
     "q4_cpu_num_threads": (c_int32, []),
     "q4_set_cpu_num_threads": (None, [c_int32]),
@@ -139,6 +142,7 @@ def _load() -> ctypes.CDLL:
     global _lib, _path
     if _lib is not None:
         return _lib
+    _check_isa_env()
     tried = []
     for path in _candidates():
         if not path.exists():
@@ -203,19 +207,28 @@ def cuda_device_count() -> int:
     return int(lib().q4_cuda_device_count()) if has_cuda() else 0
 
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+
+
+def _check_isa_env() -> None:
+    """Q4_ISA must name a level (the library itself falls back silently)."""
+    env = os.environ.get("Q4_ISA")
+    if env is not None and env not in ISA_NAMES.values():
+        raise NativeLibraryError(f"Q4_ISA must be one of {', '.join(ISA_NAMES.values())}, got {env!r}")
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU kernels use now: 'scalar', 'avx2' or 'avx512'."""
+    """The ISA level the CPU kernels use now: 'scalar', 'avx2', 'avx512' or
+    'avx512_bf16' (each implies the ones before it)."""
     return ISA_NAMES[lib().q4_cpu_isa()]
 
 
 def set_cpu_isa(isa: str) -> None:
-    """Force the CPU kernels onto 'scalar', 'avx2' or 'avx512' (also: env Q4_ISA)."""
+    """Force the CPU kernels onto one ISA level (also: env Q4_ISA). A level the
+    processor lacks raises KernelError; an unknown name ValueError."""
     codes = {v: k for k, v in ISA_NAMES.items()}
-    if isa not in codes:
-        raise ValueError(f"isa must be one of {sorted(codes)}, got {isa!r}")
+    if not isinstance(isa, str) or isa not in codes:
+        raise ValueError(f"isa must be one of {', '.join(codes)}, got {isa!r}")
     check(lib().q4_set_cpu_isa(codes[isa]))
 
 
@@ -225,6 +238,19 @@ def cpu_has_avx2() -> bool:
 
 def cpu_has_avx512() -> bool:
     return bool(lib().q4_cpu_has_avx512())
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """AVX-512 with AVX512_BF16 and AVX512_VNNI (the avx512_bf16 level)."""
+    return bool(lib().q4_cpu_has_avx512_bf16())
+
+
+def cpu_features() -> dict:
+    """What the processor supports and what the kernels use: ``features``
+    (cpuid + OS state), ``best_isa``, ``isa`` (active level), ``kernels``
+    (each op's kernel chain, tried in order) and ``last_kernel`` (the kernel
+    each op ran last, '' before the first call)."""
+    return json.loads(lib().q4_cpu_features_json().decode())
 
 
 def num_threads() -> int:

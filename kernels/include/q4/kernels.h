@@ -246,14 +246,21 @@ Status validate(const QuantizeNestedParams& p);
 // A host-memory code book must be sorted ascending (null = dynamic map).
 Status validate_code_book(const float* code);
 
-// Runtime configuration of the CPU kernels.
-// Ordered: a level implies the ones below it. kIsaAvx512 (F, BW, VL) adds an
-// AVX-512 batch-1 4-bit gemv; every other kernel uses its AVX2 path there.
-enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
-Isa cpu_isa();        // active instruction set
-bool cpu_has_avx2();  // what the processor supports
+// Runtime configuration of the CPU kernels. ISA levels, each implying the
+// ones below it (kernels/cpu/dispatch.h): scalar; avx2 (+FMA, F16C); avx512
+// (F, BW, VL: 512-bit fp32 kernels); avx512_bf16 (+AVX512_BF16 and
+// AVX512_VNNI: bf16 dot products for bf16 inputs). The default is the best
+// level the processor and the OS support.
+enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
+Isa cpu_isa();                          // active level
+const char* cpu_isa_name(int32_t isa);  // "scalar", ..., or "" if out of range
+bool cpu_has_avx2();                    // what the processor supports
 bool cpu_has_avx512();
+bool cpu_has_avx512_bf16();
 Status set_cpu_isa(int32_t isa);  // force one (scalar always; others if supported)
+// Detected features, the active level, each op's kernel chain and the kernel
+// each op last ran, as a JSON object.
+std::string cpu_features_json();
 int cpu_num_threads();
 void set_cpu_num_threads(int n);  // n <= 0: back to the default
 

@@ -1,0 +1,84 @@
+// The CPU kernel table. Each op variant that has ISA-specific kernels is a
+// chain of entries, best first; an entry returns false when it does not serve
+// the call (input dtype, shape) and the next one runs. The chain for each ISA
+// level is built once; the active level is the best the processor and the OS
+// support (features.cc: cpuid + XGETBV), or what Q4_ISA / set_cpu_isa name.
+//
+// Levels (each implies the ones below it):
+//   scalar       the reference kernels (always present, exact contracts)
+//   avx2         AVX2 + FMA + F16C
+//   avx512       + AVX-512 F/BW/VL (512-bit fp32 FMAs)
+//   avx512_bf16  + AVX512_BF16 and AVX512_VNNI (vdpbf16ps / vpdpbusd)
+//
+// One translation unit per level (kernels/cpu/x86/<level>/*.cc) defines its
+// entries after a `#pragma GCC target(...)` for that level, so its code never
+// runs on a processor that lacks it. See kernels/README.md to add one.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm4_common.h"
+#include "q4/kernels.h"
+
+namespace q4 {
+namespace cpu {
+
+// Fused 4-bit matmul forward / input gradient (contracts in q4/kernels.h).
+// fp32-compute entries convert a 16-bit input to fp32 first (gemm4::as_f32)
+// and keep the bit-exact fp32 contract; bf16-compute entries serve bf16
+// inputs only (see README: bf16 compute).
+using Gemm4Fn = bool (*)(const Gemm4bitParams& p, const gemm4::Scales& scales);
+using Grad4Fn = bool (*)(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+
+template <typename Fn>
+struct Entry {
+  const char* name;  // "<level>.<kernel>", reported by q4.cpu_features()
+  Fn fn;
+};
+
+constexpr int kMaxChain = 6;
+template <typename Fn>
+struct Chain {
+  Entry<Fn> entries[kMaxChain];
+  int size = 0;
+  void add(const char* name, Fn fn) { entries[size++] = {name, fn}; }
+};
+
+struct KernelTable {
+  Chain<Gemm4Fn> gemm4;
+  Chain<Grad4Fn> grad4;
+};
+
+// The table of the active level.
+const KernelTable& kernel_table();
+
+// Ops whose last-run kernel is recorded (for tests and benchmarks).
+enum class Op : int { kGemm4 = 0, kGrad4 = 1, kCount = 2 };
+void record_kernel(Op op, const char* name);
+const char* last_kernel(Op op);
+
+// Entry points of each level's translation unit. Every unit exists in every
+// build; on a non-x86 build the x86 units define no entries.
+namespace scalar {
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+}  // namespace scalar
+namespace avx2 {
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+}  // namespace avx2
+namespace avx512 {
+// fp32 compute with 512-bit FMAs (batch-1 gemv, tiled forward, input gradient)
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);        // m == 1 here, else gemm4_tiled
+bool gemm4_tiled(const Gemm4bitParams& p, const gemm4::Scales& scales);  // x86/avx512/gemm4_tiled.cc
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+}  // namespace avx512
+namespace avx512_bf16 {
+// bf16 inputs: W decoded to bf16 (fp32 value rounded once), vdpbf16ps with
+// fp32 accumulation; returns false for other input dtypes
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+}  // namespace avx512_bf16
+
+}  // namespace cpu
+}  // namespace q4
