@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install lint bazel bench clean
+.PHONY: demo test install lint bazel sanitize fuzz bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,24 @@ bazel: install
 	scripts/ensure_bazel.sh
 	scripts/bazel_build.sh $(BIN)/python build/bazel-lib
 
+# The kernels built with -fsanitize=address,undefined (build/asan, CPU only)
+# under the kernel, reference and a torch + JAX slice: any report fails.
+SANITIZE := PYTHON=$(BIN)/python scripts/sanitize.sh
+# Bounded, seeded fuzzing (checkpoint loader, q4 inspect, the C ABI).
+FUZZ := PYTHON=$(BIN)/python scripts/fuzz.sh
+
+sanitize: install
+	$(SANITIZE)
+
+fuzz: install
+	$(FUZZ)
+
 test: lint bazel
 	$(BIN)/pytest
 	@echo "== kernel tests against the Bazel-built library ($(BAZEL_LIB))"
 	Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/reference -q
+	$(SANITIZE)
+	$(FUZZ)
 
 demo: install
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/minilm/demo.py

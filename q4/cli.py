@@ -7,14 +7,18 @@
 
 User mistakes (missing or corrupted files, bad options) print one line,
 ``q4: error: ...``, and exit with status 1 (2 for a malformed command line).
+SIGINT, SIGTERM and SIGHUP stop the command the same way: temporary files are
+removed, nothing half-written is published, and the exit status is 128 + the
+signal number (130, 143, 129).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +45,16 @@ examples:
 
 class UserError(Exception):
     """A mistake in the command's input: reported as one line, exit status 1."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread (as KeyboardInterrupt
+    is for SIGINT) so that every ``finally`` and ``with`` block cleans up."""
+
+
+def _terminate(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)  # a repeated signal must not interrupt the clean-up
+    raise Terminated(signum)
 
 
 # ----------------------------------------------------------------- output
@@ -157,40 +171,23 @@ def _files_of(path) -> list[Path]:
 
 
 def cmd_inspect(args) -> int:
-    from q4._src.checkpoint import CheckpointError, Reader, layer_keys, validate
+    from q4._src.checkpoint import inspect_file
 
     rows, n_layers, q_bytes, dense_bytes, total, other, files = [], 0, 0, 0, 0, 0, _files_of(args.file)
     for path in files:
-        with Reader(path) as r:
-            views = {k: r.view(k) for k in r.keys()}
-            layers = validate(views)
-            stored = r.metadata.get("q4.layers")
-            if stored is not None:
-                try:
-                    stored = json.loads(stored)
-                except json.JSONDecodeError as e:
-                    raise CheckpointError(f"{path}: metadata 'q4.layers' is not valid JSON: {e}") from e
-                for name, meta in layers.items():
-                    if stored.get(name) != meta:
-                        raise CheckpointError(
-                            f"{path}: layer '{name}': metadata says {stored.get(name)}, the tensors say {meta}"
-                        )
-            owned = set()
-            for name, meta in layers.items():
-                keys = layer_keys(views, name)
-                owned.update(keys)
-                nbytes = sum(r.nbytes(k) for k in keys)
-                shape = meta["shape"]
-                if meta["kind"] == "Linear4bit":
-                    kind, block, nested = meta["quant_type"], meta["blocksize"], "yes" if meta["nested"] else "no"
-                else:
-                    kind, block, nested = "int8", "row", "-"
-                rows.append([name, "x".join(map(str, shape)), kind, block, nested, nbytes])
-                n_layers += 1
-                q_bytes += nbytes
-                dense_bytes += 4 * math.prod(shape)
-            other += sum(r.nbytes(k) for k in views if k not in owned)
-            total += path.stat().st_size
+        info = inspect_file(path)
+        for name, meta in info["layers"].items():
+            shape = meta["shape"]
+            if meta["kind"] == "Linear4bit":
+                kind, block, nested = meta["quant_type"], meta["blocksize"], "yes" if meta["nested"] else "no"
+            else:
+                kind, block, nested = "int8", "row", "-"
+            rows.append([name, "x".join(map(str, shape)), kind, block, nested, meta["bytes"]])
+            n_layers += 1
+            q_bytes += meta["bytes"]
+            dense_bytes += 4 * math.prod(shape)
+        other += info["other_bytes"]
+        total += info["file_bytes"]
     if rows:
         table(["layer", "shape", "type", "block", "nested", "bytes"], rows)
         print()
@@ -203,7 +200,7 @@ def cmd_inspect(args) -> int:
         [f"file{'s' if len(files) > 1 else ''} ({len(files)})", "", _human(total)],
     ]
     table(["totals", "count", "bytes"], summary)
-    if q_bytes:
+    if q_bytes and dense_bytes:  # (validation refuses empty layers; never divide by zero)
         print(
             f"quantized layers take {q_bytes / dense_bytes:.1%} of their fp32 size ({dense_bytes / q_bytes:.2f}x smaller)"
         )
@@ -381,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     from q4._src.native import NativeLibraryError
     from q4._src.quant_state import QuantStateError
 
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:  # (leave an ignored SIGHUP, as under nohup, ignored)
+                previous[sig] = signal.signal(sig, _terminate)
     try:
         return args.func(args)
     except (UserError, CheckpointError, QuantStateError, NativeLibraryError, ValueError, OSError) as e:
@@ -390,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("q4: interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"q4: terminated ({signal.Signals(e.args[0]).name})", file=sys.stderr)
+        return 128 + e.args[0]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

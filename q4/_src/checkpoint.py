@@ -19,19 +19,27 @@ interrupted save never replaces a good checkpoint with a partial one.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
+import re
+import secrets
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from q4._src.quant_state import QuantState, QuantStateError
+from q4._src.formats import short_repr
+from q4._src.quant_state import QuantState, QuantStateError, is_json_int, strict_json_loads
 
 _JSON_KEY = ".weight.quant_state.bitsandbytes__"
 _HEADER_LIMIT = 100 << 20  # a header larger than 100 MiB is not a checkpoint
+_INT64_MAX = (1 << 63) - 1
+_MAX_RANK = 32  # numpy 1.x's limit (2.x: 64); no checkpoint tensor comes near it
+# bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING (only "row" is supported)
+WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 
 # safetensors dtype name <-> numpy dtype name
 _DTYPES = {
@@ -77,20 +85,24 @@ def _layer_prefixes(tensors: dict[str, np.ndarray]) -> dict[str, str]:
     for key in tensors:
         if _JSON_KEY in key:
             layers[key.split(_JSON_KEY)[0]] = "Linear4bit"
+        elif key.startswith(_JSON_KEY[1:]):  # a bare layer's state dict
+            layers[""] = "Linear4bit"
         elif key.endswith(".SCB") or key == "SCB":
-            layers[key[: -len("SCB")].rstrip(".")] = "Linear8bitLt"
+            layers[key[: -len(".SCB")] if key != "SCB" else ""] = "Linear8bitLt"
     return layers
 
 
 def layer_keys(keys, layer: str) -> list[str]:
     """The keys of one quantized layer's stored weight (``weight``, ``weight.*``,
-    ``SCB``, ``weight_format``; not its bias) among ``keys``."""
+    ``SCB``, ``weight_format``; not its bias) among ``keys`` (layer '' is a bare
+    layer's state dict)."""
     out = []
     for key in keys:
-        if key.startswith(layer + "."):
-            rest = key[len(layer) + 1 :]
-            if rest in ("weight", "SCB", "weight_format") or rest.startswith("weight."):
-                out.append(key)
+        if layer and not key.startswith(layer + "."):
+            continue
+        rest = key[len(layer) + 1 :] if layer else key
+        if rest in ("weight", "SCB", "weight_format") or rest.startswith("weight."):
+            out.append(key)
     return out
 
 
@@ -130,14 +142,62 @@ def _check_8bit(tensors: dict[str, np.ndarray], prefix: str) -> dict:
     weight, scb = tensors[weight_key], tensors[scb_key]
     if weight.dtype != np.int8 or weight.ndim != 2:
         raise CheckpointError(f"tensor '{weight_key}' must be a 2-D int8 matrix, got {weight.dtype} {weight.shape}")
+    if 0 in weight.shape:
+        raise CheckpointError(
+            f"tensor '{weight_key}' has shape {weight.shape}; a quantized layer needs at least one row and one column"
+        )
     if scb.dtype != np.float32 or scb.shape != (weight.shape[0],):
         raise CheckpointError(
             f"tensor '{scb_key}' must be float32[{weight.shape[0]}], got {scb.dtype}{list(scb.shape)}"
         )
     fmt_key = _join(prefix, "weight_format")
-    if fmt_key in tensors and int(np.asarray(tensors[fmt_key]).reshape(-1)[0]) != 0:
-        raise CheckpointError(f"tensor '{fmt_key}' must be 0 (row-major int8), got {tensors[fmt_key]}")
+    if fmt_key in tensors and (fmt := parse_weight_format(tensors[fmt_key], fmt_key)) != "row":
+        raise CheckpointError(f"tensor '{fmt_key}' must be 0 (row-major int8), got {fmt!r}")
     return {"kind": "Linear8bitLt", "shape": list(weight.shape)}
+
+
+def parse_weight_format(value, key: str) -> str:
+    """The bitsandbytes int8 weight format named by a ``weight_format`` entry:
+    'row', 'col32', 'col_turing' or 'col_ampere' (q4 loads only 'row').
+
+    The one parser of this entry, for the checkpoint validator and both front
+    ends. ``value`` is a single integer code (a numpy array or anything
+    np.asarray takes, e.g. a CPU torch tensor or a Python int: integer dtype,
+    not bool, exactly one element, 0-3) or a format name as a string.
+    Anything else raises CheckpointError naming ``key``."""
+    if isinstance(value, str):
+        if value not in WEIGHT_FORMATS.values():
+            raise CheckpointError(f"'{key}' names no int8 weight format: {short_repr(value)}")
+        return value
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"'{key}' must be one integer format code, got {type(value).__name__}: {e}") from e
+    if arr.dtype.kind not in "iu" or arr.size != 1 or arr.ndim > 1:
+        raise CheckpointError(
+            f"'{key}' must be one integer format code (0 = row-major), got {arr.dtype}{list(arr.shape)}"
+        )
+    code = int(arr.reshape(-1)[0])
+    if code not in WEIGHT_FORMATS:
+        raise CheckpointError(f"'{key}' holds the unknown int8 weight format code {code}")
+    return WEIGHT_FORMATS[code]
+
+
+def layers_metadata(metadata: dict[str, str], where="checkpoint") -> dict[str, dict] | None:
+    """The header's ``q4.layers`` entry parsed (layer name -> its description,
+    see validate), or None when absent; malformed JSON raises CheckpointError."""
+    text = metadata.get("q4.layers")
+    if text is None:
+        return None
+    try:
+        layers = strict_json_loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: metadata 'q4.layers' is not valid JSON: {e}") from e
+    if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
+        raise CheckpointError(
+            f"{where}: metadata 'q4.layers' must be a JSON object of layer descriptions, got {short_repr(layers)}"
+        )
+    return layers
 
 
 def quantized_groups(tensors) -> dict[tuple, list[str]]:
@@ -172,17 +232,23 @@ def validate(tensors: dict[str, np.ndarray]) -> dict[str, dict]:
 class Reader:
     """A safetensors file opened for reading one tensor at a time.
 
-    The header is parsed and every entry checked (dtype, shape, offsets inside
-    the file, no overlaps) when the file is opened; tensor data is memory-mapped
-    and only read when asked for, so files larger than memory can be walked.
+    The header is parsed strictly and every entry checked when the file is
+    opened: dtype a safetensors name, shape a list of non-negative JSON
+    integers, data_offsets two JSON integers inside the data section, size
+    matching shape and dtype, no overlaps, metadata a JSON object of strings;
+    anything else raises CheckpointError naming the tensor. Tensor data is read
+    only when asked for (read, chunks: pread, so a file that shrinks raises
+    CheckpointError; view: memory-mapped), so files larger than memory can be
+    walked.
     """
 
     def __init__(self, path):
         self.path = Path(path)
         try:
             self._file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
-        except OSError as e:
-            raise CheckpointError(f"cannot read checkpoint {self.path}: {e.strerror or e}") from e
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+            raise CheckpointError(f"cannot read checkpoint {self.path}: {getattr(e, 'strerror', None) or e}") from e
+        self._map = None
         try:
             self._parse()
         except BaseException:
@@ -190,54 +256,73 @@ class Reader:
             raise
 
     def _parse(self) -> None:
-        path, f = self.path, self._file
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
+        path, fd = self.path, self._file.fileno()
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 8, 0)
         if len(head) < 8:
             raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (truncated?)")
         (n,) = struct.unpack("<Q", head)
         if n > _HEADER_LIMIT or 8 + n > size:
             raise CheckpointError(f"{path}: header of {n} bytes does not fit in the {size}-byte file (truncated?)")
+        raw = os.pread(fd, n, 8)
+        if len(raw) < n:
+            raise CheckpointError(f"{path}: the header ends early (the file shrank while reading)")
         try:
-            header = json.loads(f.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            header = strict_json_loads(raw)
+        except ValueError as e:
             raise CheckpointError(f"{path}: the header is not valid JSON (corrupted?): {e}") from e
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: the header must be a JSON object")
-        meta = header.pop("__metadata__", {}) or {}
-        if not isinstance(meta, dict):
-            raise CheckpointError(f"{path}: __metadata__ must be a JSON object")
-        self.metadata = {str(k): str(v) for k, v in meta.items()}
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise CheckpointError(f"{path}: __metadata__ must be a JSON object of strings, got {short_repr(meta)}")
+        self.metadata: dict[str, str] = meta
+        self.size = size  # bytes, when opened
         self._start, body = 8 + n, size - 8 - n
         self._entries: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         spans = []
         for key, info in header.items():
-            try:
-                dtype_name = _DTYPES[info["dtype"]]
-                shape = tuple(int(s) for s in info["shape"])
-                begin, end = (int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as e:
-                bad = info.get("dtype") if isinstance(info, dict) and info.get("dtype") not in _DTYPES else None
-                what = f"unsupported dtype {bad!r}" if bad else f"a malformed header entry {info!r}"
-                raise CheckpointError(f"{path}: tensor '{key}' has {what}") from e
-            dtype = _np_dtype(dtype_name)
-            if any(s < 0 for s in shape) or not 0 <= begin <= end <= body:
+            name = _quote(key)
+            if not isinstance(info, dict):
+                raise CheckpointError(f"{path}: tensor {name} has a malformed header entry {short_repr(info)}")
+            dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {short_repr(dtype_name)}")
+            if not isinstance(shape, list) or not all(is_json_int(s) and 0 <= s <= _INT64_MAX for s in shape):
                 raise CheckpointError(
-                    f"{path}: tensor '{key}' spans bytes [{begin}, {end}) outside the {body}-byte data section "
+                    f"{path}: tensor {name}: shape must be a list of non-negative JSON integers, got {short_repr(shape)}"
+                )
+            dtype = _np_dtype(_DTYPES[dtype_name])
+            # (numpy refuses these even when a zero size makes the tensor empty)
+            if len(shape) > _MAX_RANK or _nbytes([s for s in shape if s], dtype.itemsize, _INT64_MAX) > _INT64_MAX:
+                raise CheckpointError(
+                    f"{path}: tensor {name}: shape {short_repr(shape)} of {dtype_name} has more than {_MAX_RANK} "
+                    "dimensions or more than 2**63 - 1 bytes (ignoring zero sizes)"
+                )
+            if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_json_int(o) for o in offsets):
+                raise CheckpointError(
+                    f"{path}: tensor {name}: data_offsets must be two JSON integers, got {short_repr(offsets)}"
+                )
+            begin, end = offsets
+            if not 0 <= begin <= end <= body:
+                raise CheckpointError(
+                    f"{path}: tensor {name} spans bytes [{begin}, {end}) outside the {body}-byte data section "
                     "(truncated?)"
                 )
-            if end - begin != math.prod(shape) * dtype.itemsize:
+            need = _nbytes(shape, dtype.itemsize, body)
+            if end - begin != need:
+                needs = f"more than {body}" if need > body else need
                 raise CheckpointError(
-                    f"{path}: tensor '{key}' has {end - begin} bytes, shape {list(shape)} of {dtype_name} needs "
-                    f"{math.prod(shape) * dtype.itemsize}"
+                    f"{path}: tensor {name} has {end - begin} bytes, shape {short_repr(shape)} of {dtype_name} needs "
+                    f"{needs}"
                 )
             spans.append((begin, end, key))
-            self._entries[key] = (dtype, shape, begin, end)
+            self._entries[key] = (dtype, tuple(shape), begin, end)
         spans.sort()
         for (_, e0, k0), (b1, _, k1) in zip(spans, spans[1:], strict=False):
             if b1 < e0:
-                raise CheckpointError(f"{path}: tensors '{k0}' and '{k1}' overlap (corrupted header)")
-        self._map = None
+                raise CheckpointError(f"{path}: tensors {_quote(k0)} and {_quote(k1)} overlap (corrupted header)")
+        self._end = self._start + max((e for _, e, _ in spans), default=0)
 
     def keys(self) -> list[str]:
         """Tensor names in file order (by data offset)."""
@@ -256,14 +341,37 @@ class Reader:
         _, _, begin, end = self._entries[key]
         return end - begin
 
+    def check_size(self) -> None:
+        """Raise CheckpointError if the file is now shorter than its header says
+        (it was truncated after it was opened)."""
+        size = os.fstat(self._file.fileno()).st_size
+        if size < self._end:
+            raise CheckpointError(
+                f"{self.path}: the file shrank to {size} bytes while open; its tensors need {self._end}"
+            )
+
     def view(self, key: str) -> np.ndarray:
-        """A read-only, memory-mapped view (no data is read until used)."""
+        """A read-only, memory-mapped view (no data is read until used).
+
+        The file's size is checked first (CheckpointError if it shrank since it
+        was opened), but a mapping cannot protect against a truncation after
+        the view is made: touching the lost pages then kills the process with
+        SIGBUS. Use read() or chunks() where another process may truncate the
+        file; ``q4 inspect`` does."""
         dtype, shape, begin, end = self._entries[key]
         if end == begin:
             return np.zeros(shape, dtype)
+        self.check_size()
         if self._map is None:
             self._map = np.memmap(self._file, np.uint8, mode="r")
         return self._map[self._start + begin : self._start + end].view(dtype).reshape(shape)
+
+    def placeholder(self, key: str) -> np.ndarray:
+        """An array with the tensor's dtype and shape (so its size and nbytes)
+        whose data is not read: every element is zero (a read-only broadcast
+        of one value, no memory). For checks that only look at sizes."""
+        dtype, shape, _, _ = self._entries[key]
+        return np.broadcast_to(np.zeros((), dtype), shape)
 
     def read(self, key: str) -> np.ndarray:
         """The tensor as a fresh, aligned, writable array (read with pread: the
@@ -275,7 +383,7 @@ class Reader:
         while pos < end - begin:
             n = os.preadv(fd, [buf[pos:]], self._start + begin + pos)
             if n <= 0:
-                raise CheckpointError(f"{self.path}: tensor '{key}' ends early (the file shrank while reading)")
+                raise CheckpointError(f"{self.path}: tensor {_quote(key)} ends early (the file shrank while reading)")
             pos += n
         return out
 
@@ -283,10 +391,12 @@ class Reader:
         """The tensor's raw bytes in pieces of at most ``size`` bytes."""
         _, _, begin, end = self._entries[key]
         fd = self._file.fileno()
-        for pos in range(begin, end, size):
+        pos = begin
+        while pos < end:
             data = os.pread(fd, min(size, end - pos), self._start + pos)
             if not data:
-                raise CheckpointError(f"{self.path}: tensor '{key}' ends early (the file shrank while reading)")
+                raise CheckpointError(f"{self.path}: tensor {_quote(key)} ends early (the file shrank while reading)")
+            pos += len(data)
             yield data
 
     def copy_to(self, writer: Writer, key: str) -> None:
@@ -305,6 +415,172 @@ class Reader:
         self.close()
 
 
+def _nbytes(shape: list[int], itemsize: int, limit: int) -> int:
+    """prod(shape) * itemsize, or a number above ``limit`` once the product
+    passes it (a header may list a million huge dimensions)."""
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for s in shape:
+        total *= s
+        if total > limit:
+            return limit + 1
+    return total
+
+
+def _quote(key: str) -> str:
+    """A tensor name for a message: 'name', or its cut repr when long or unprintable."""
+    return f"'{key}'" if len(key) <= 200 and key.isprintable() else short_repr(key)
+
+
+# ------------------------------------------------------ publishing files
+#
+# Temporary files are named ".<target name>.q4tmp-<pid>-<8 hex digits>" in
+# the target's directory, created with mode 0o666 (so the umask applies, as
+# for any new file, and the published file keeps that mode) and held under an
+# exclusive flock until published or removed. A process killed with SIGKILL
+# leaves its temporary behind; the next write to the same target removes
+# every such file whose pid is not alive and whose lock is free.
+
+_TMP_TAG = ".q4tmp-"
+_TMP_RE = re.compile(r"\.(?P<name>.+)\.q4tmp-(?P<pid>[0-9]+)-[0-9a-f]{8}")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # someone else's process (or not a pid): leave its file alone
+    return True
+
+
+def remove_stale_temporaries(path) -> list[Path]:
+    """Remove the temporaries left beside ``path`` by q4 processes that died
+    before publishing it (see above); returns what was removed."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    prefix = f".{path.name}{_TMP_TAG}"
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP_RE.fullmatch(name)
+        if m is None or m["name"] != path.name or _pid_alive(int(m["pid"])):
+            continue
+        tmp = directory / name
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            if not os.path.isfile(tmp) or not _try_lock(fd):
+                continue
+            os.unlink(tmp)
+            removed.append(tmp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new locked temporary file beside ``path`` (after removing stale ones)."""
+    directory = path.parent if str(path.parent) else Path(".")
+    remove_stale_temporaries(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = directory / f".{path.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise CheckpointError(f"cannot write {path}: {e.strerror or e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # a file system without locks: the pid in the name still protects it on this host
+        return fd, tmp
+    raise CheckpointError(f"cannot write {path}: no free temporary name")
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` over ``path`` and make the rename durable."""
+    os.replace(tmp, path)
+    try:
+        dfd = os.open(path.parent if str(path.parent) else ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def write_atomic(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename (the
+    same naming, mode and clean-up as Writer)."""
+    path = Path(path)
+    fd, tmp = _create_temporary(path)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, path)
+        tmp = None
+    finally:
+        os.close(fd)
+        if tmp is not None:
+            _unlink(tmp)
+
+
+def copy_atomic(src, path) -> None:
+    """Copy the file ``src`` to ``path`` (contents, mode bits and times) through a temporary file."""
+    import shutil
+
+    path = Path(path)
+    fd, tmp = _create_temporary(path)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f, open(src, "rb") as s:
+            shutil.copyfileobj(s, f, 1 << 20)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.copystat(src, tmp)
+        _publish(tmp, path)
+        tmp = None
+    finally:
+        os.close(fd)
+        if tmp is not None:
+            _unlink(tmp)
+
+
+def _unlink(tmp) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+
+
 class Writer:
     """Writes a safetensors file tensor by tensor, atomically.
 
@@ -312,17 +588,17 @@ class Writer:
     bound: see header_bound); tensors are appended as they come, the header is
     written last, padded with spaces, and the temporary file replaces ``path``
     on commit(). Leaving the ``with`` block by an exception (or calling
-    abort()) removes the temporary file, so no partial output is ever left.
+    abort()) removes the temporary file, so no partial output is ever left;
+    a process killed outright leaves it, and the next Writer (or write_atomic)
+    for the same path removes it. The published file gets the mode any new
+    file gets (0o666 & ~umask).
     """
 
     def __init__(self, path, header_bytes: int):
         self.path = Path(path)
         self._reserved = 8 + header_bytes + (-header_bytes % 8)
-        directory = self.path.parent if str(self.path.parent) else Path(".")
-        try:
-            fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
-        except OSError as e:
-            raise CheckpointError(f"cannot write {self.path}: {e.strerror or e}") from e
+        self._tmp: Path | None = None
+        fd, self._tmp = _create_temporary(self.path)
         self._file = os.fdopen(fd, "wb")
         self._file.seek(self._reserved)
         self._header: dict = {}
@@ -363,8 +639,7 @@ class Writer:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         f.flush()
-        os.fsync(f.fileno())
-        f.close()
+        os.fsync(f.fileno())  # the file stays open (and locked) until publish() or abort()
 
     @property
     def size(self) -> int:
@@ -373,8 +648,9 @@ class Writer:
 
     def publish(self) -> None:
         """Move the finished file to its destination."""
-        os.replace(self._tmp, self.path)
+        _publish(self._tmp, self.path)
         self._tmp = None
+        self._file.close()
 
     def commit(self, metadata: dict[str, str] | None = None) -> None:
         self.finish(metadata)
@@ -384,10 +660,7 @@ class Writer:
         """Drop the temporary file (no-op once published)."""
         self._file.close()
         if self._tmp is not None:
-            try:
-                os.unlink(self._tmp)
-            except FileNotFoundError:
-                pass
+            _unlink(self._tmp)
             self._tmp = None
 
     def __enter__(self) -> Writer:
@@ -439,6 +712,47 @@ def load_file(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
 
 
 def load_metadata(path) -> dict[str, str]:
-    """The header's ``__metadata__`` (``q4.layers`` is JSON describing the quantized layers)."""
+    """The header's ``__metadata__`` (``q4.layers`` is JSON describing the
+    quantized layers: checked to parse as an object of objects)."""
     with Reader(path) as r:
+        layers_metadata(r.metadata, r.path)
         return r.metadata
+
+
+_SMALL_TENSOR = 1 << 20  # inspect reads tensors up to this size; validate() needs no larger one's data
+
+
+def inspect_file(path) -> dict:
+    """What ``q4 inspect`` reports about one safetensors file.
+
+    Validates every quantized layer and checks the ``q4.layers`` metadata
+    against the tensors (the same layers, described the same way). The file
+    is never memory-mapped: tensors of at most 1 MiB (quant_state JSON, code
+    books, weight_format) are read with pread; larger ones are checked by
+    dtype and shape alone (Reader.placeholder), and the file's size is checked
+    again at the end, so a file truncated while it is open raises
+    CheckpointError. Returns ``{"layers": {name: {**description, "bytes":
+    stored bytes}}, "other_bytes": bytes of the other tensors, "file_bytes":
+    the file's size}``.
+    """
+    with Reader(path) as r:
+        entries = {k: r.read(k) if r.nbytes(k) <= _SMALL_TENSOR else r.placeholder(k) for k in r.keys()}
+        layers = validate(entries)
+        stored = layers_metadata(r.metadata, r.path)
+        if stored is not None:
+            for name in sorted(set(stored) | set(layers)):
+                # compared as JSON text, so that 64.0 or 1 does not pass for 64 or true
+                if json.dumps(stored.get(name), sort_keys=True) != json.dumps(layers.get(name), sort_keys=True):
+                    raise CheckpointError(
+                        f"{r.path}: layer {_quote(name)}: metadata says {short_repr(stored.get(name))}, "
+                        f"the tensors say {layers.get(name)}"
+                    )
+        owned: set[str] = set()
+        out = {}
+        for name, meta in layers.items():
+            keys = layer_keys(entries, name)
+            owned.update(keys)
+            out[name] = {**meta, "bytes": sum(r.nbytes(k) for k in keys)}
+        other = sum(r.nbytes(k) for k in entries if k not in owned)
+        r.check_size()
+        return {"layers": out, "other_bytes": other, "file_bytes": r.size}

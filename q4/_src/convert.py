@@ -9,11 +9,24 @@ unchanged. Inputs are a ``.safetensors`` file, a sharded checkpoint's
 
 The work is planned before anything is written: every input header is parsed
 and checked, every quantized tensor's dtype is checked, so a bad input fails
-before any output exists. Tensors are then read (memory-mapped), quantized and
+before any output exists. Tensors are then read (pread), quantized and
 written one at a time, so memory holds about one tensor: a checkpoint larger
-than memory works. Outputs are written to temporary files and renamed into
-place only when all of them are complete; an error or an interrupt leaves no
-partial output behind.
+than memory works. Outputs are written to temporary files
+(``.<name>.q4tmp-<pid>-<random>`` beside each output) and renamed into place
+only when all of them are complete; an error, an interrupt (SIGINT, or
+SIGTERM / SIGHUP under the ``q4`` command) leaves no partial output behind,
+and temporaries left by a killed run (SIGKILL, a crash) are removed by the
+next run that writes the same output. Published files get the mode a new file
+gets (0o666 & ~umask).
+
+What a reader sees while a sharded output is published: the old index (if
+any) is removed first, then each shard is renamed into place (each shard file
+is always either the complete old one or the complete new one), then the
+model's other files, and the new index is written last, atomically. So an
+index is never present beside a partial or mixed set of shards: a reader that
+goes through the index (transformers, ``q4``) sees either no checkpoint or
+the complete new one. A run killed during publication leaves shards without
+an index, which ``q4`` refuses as an incomplete checkpoint; rerun it.
 """
 
 from __future__ import annotations
@@ -22,16 +35,24 @@ import dataclasses
 import fnmatch
 import json
 import math
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from q4._src import formats
-from q4._src.checkpoint import _NAMES, CheckpointError, Reader, Writer, header_bound, validate
-from q4._src.quant_state import QuantState
+from q4._src.checkpoint import (
+    _NAMES,
+    CheckpointError,
+    Reader,
+    Writer,
+    copy_atomic,
+    header_bound,
+    validate,
+    write_atomic,
+)
+from q4._src.formats import short_repr
+from q4._src.quant_state import QuantState, strict_json_loads
 from q4._src.weights import dequantize_weight_4bit, dequantize_weight_int8, quantize_weight_4bit, quantize_weight_int8
 
 TYPES = ("nf4", "fp4", "int8")
@@ -110,19 +131,23 @@ def input_files(src) -> tuple[list[Path], Path | None]:
     if not src.name.endswith(_INDEX_SUFFIX):
         return [src], None
     try:
-        index = json.loads(src.read_text("utf-8"))
+        index = strict_json_loads(src.read_bytes())
+        if not isinstance(index, dict) or "weight_map" not in index:
+            raise ValueError("no 'weight_map' object")
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("weight_map must map tensor names to file names")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{src}: not a safetensors index file ({e})") from e
+            raise ValueError("weight_map must map tensor names to file names")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{src}: not a safetensors index file ({getattr(e, 'strerror', None) or e})") from e
     shards = []
     for name in weight_map.values():
+        if not name or "\x00" in name or Path(name).name != name or name in (".", ".."):
+            raise CheckpointError(f"{src}: shard {short_repr(name)} must be a file name in the index's directory")
         path = src.parent / name
-        if Path(name).name != name:
-            raise CheckpointError(f"{src}: shard {name!r} must be a file name in the index's directory")
         if path not in shards:
             shards.append(path)
+    if not shards:
+        raise CheckpointError(f"{src}: the index lists no shard files")
     return shards, src
 
 
@@ -315,14 +340,18 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             w.finish({"format": "pt", "q4.layers": json.dumps(layer_meta, sort_keys=True)})
         if progress:
             progress(total, total, "")
+        # Publication order (see the module docstring): old index out, shards
+        # and the model's other files in, the new index last.
+        if out_index is not None:
+            out_index.unlink(missing_ok=True)
         for w in writers:
             w.publish()
-        if out_index is not None:
-            _write_index(out_index, weight_map, sum(w.size for w in writers))
         for rel in extras:
             if (outs[0].parent / rel).resolve() != (src_dir / rel).resolve():
                 (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src_dir / rel, outs[0].parent / rel)
+                copy_atomic(src_dir / rel, outs[0].parent / rel)
+        if out_index is not None:
+            _write_index(out_index, weight_map, sum(w.size for w in writers))
     finally:
         for w in writers:
             w.abort()
@@ -354,6 +383,4 @@ def _extra_files(src_dir: Path, files: list[Path], index: Path | None) -> list[s
 
 def _write_index(path: Path, weight_map: dict[str, str], total_size: int) -> None:
     blob = json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2) + "\n"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(blob, "utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, blob.encode("utf-8"))

@@ -44,7 +44,8 @@ def nested_blocksize() -> int:
 
 
 def check_blocksize(blocksize: int) -> int:
-    """Validate a 4-bit/8-bit block size: a power of two in [32, 4096]."""
+    """Validate a 4-bit/8-bit block size: a power of two in [32, 4096], an int
+    (not a bool or a float); anything else raises ValueError."""
     lo, hi = min_blocksize(), max_blocksize()
     if (
         isinstance(blocksize, bool)
@@ -52,20 +53,28 @@ def check_blocksize(blocksize: int) -> int:
         or not (lo <= blocksize <= hi)
         or blocksize & (blocksize - 1)
     ):
-        raise ValueError(f"blocksize must be a power of two in [{lo}, {hi}], got {blocksize!r}")
+        raise ValueError(f"blocksize must be a power of two in [{lo}, {hi}], got {short_repr(blocksize)}")
     return int(blocksize)
 
 
 def check_quant_type(quant_type: str) -> int:
-    if quant_type not in QUANT_TYPE_CODES:
-        raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+    """The kernel code of 'nf4' or 'fp4'; anything else (including a non-string) raises ValueError."""
+    if not isinstance(quant_type, str) or quant_type not in QUANT_TYPE_CODES:
+        raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {short_repr(quant_type)}")
     return QUANT_TYPE_CODES[quant_type]
 
 
 def check_dtype_name(name: str) -> int:
-    if name not in DTYPE_CODES:
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {name}")
+    """The kernel code of a dtype name; anything else (including a non-string) raises ValueError."""
+    if not isinstance(name, str) or name not in DTYPE_CODES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {short_repr(name)}")
     return DTYPE_CODES[name]
+
+
+def short_repr(value, limit: int = 80) -> str:
+    """repr(value), cut to ``limit`` characters (error messages quote untrusted values)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def num_blocks(n: int, blocksize: int) -> int:

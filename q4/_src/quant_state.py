@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from q4._src import formats
+from q4._src.formats import short_repr
 
 _JSON_PREFIX = "quant_state.bitsandbytes__"
 
@@ -115,36 +116,68 @@ class QuantState:
     @classmethod
     def from_dict(cls, entries: dict[str, np.ndarray]) -> QuantState:
         """Rebuild and validate a state from its checkpoint entries (keys without
-        the weight prefix). Errors name the offending key."""
-        json_keys = [k for k in entries if k.startswith(_JSON_PREFIX)]
+        the weight prefix). Every malformed entry raises QuantStateError naming
+        the key: the JSON must hold quant_type / dtype as strings, blocksize,
+        shape and nested_blocksize as JSON integers (not bools, not floats) and
+        nested_offset as a finite JSON number."""
+        json_keys = sorted(k for k in entries if k.startswith(_JSON_PREFIX))
         if len(json_keys) != 1:
             raise QuantStateError(f"expected exactly one '{_JSON_PREFIX}<nf4|fp4>' entry, found {json_keys or 'none'}")
-        meta = unpack_json(entries[json_keys[0]], json_keys[0])
-        qt = meta.get("quant_type")
-        if json_keys[0] != _JSON_PREFIX + str(qt):
-            raise QuantStateError(f"{json_keys[0]} holds quant_type {qt!r}")
+        jkey = json_keys[0]
+        meta = unpack_json(entries[jkey], jkey)
         for key in ("quant_type", "blocksize", "dtype", "shape"):
             if key not in meta:
-                raise QuantStateError(f"{json_keys[0]} lacks '{key}'")
+                raise QuantStateError(f"{jkey} lacks '{key}'")
+        qt = meta["quant_type"]
+        if not isinstance(qt, str) or jkey != _JSON_PREFIX + qt:
+            raise QuantStateError(f"{jkey} holds quant_type {short_repr(qt)}")
+        try:
+            formats.check_quant_type(qt)
+            formats.check_blocksize(meta["blocksize"])
+            formats.check_dtype_name(meta["dtype"])
+        except ValueError as e:
+            raise QuantStateError(f"{jkey}: {e}") from e
+        shape = meta["shape"]
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 32
+            or not all(is_json_int(s) and 0 <= s <= _INT64_MAX for s in shape)
+        ):
+            raise QuantStateError(
+                f"{jkey}: shape must be a list of at most 32 non-negative JSON integers, got {short_repr(shape)}"
+            )
+        numel = 1
+        for s in shape:  # stop early: a list of many huge sizes would make a huge product
+            numel *= s
+            if numel > _INT64_MAX:
+                break
+        if numel > _INT64_MAX:
+            raise QuantStateError(f"{jkey}: shape {short_repr(shape)} has more than 2**63 - 1 elements")
         nested = "nested_offset" in meta
+        if nested:
+            offset = meta["nested_offset"]
+            if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not _finite(offset):
+                raise QuantStateError(f"{jkey}: nested_offset must be a finite JSON number, got {short_repr(offset)}")
+            nbs = meta.get("nested_blocksize", formats.nested_blocksize())
+            if not is_json_int(nbs):
+                raise QuantStateError(f"{jkey}: nested_blocksize must be a JSON integer, got {short_repr(nbs)}")
+            if meta.get("nested_dtype", "float32") != "float32":
+                raise QuantStateError(f"{jkey}: nested_dtype must be 'float32', got {short_repr(meta['nested_dtype'])}")
         required = ["absmax", "quant_map"] + (["nested_absmax", "nested_quant_map"] if nested else [])
         for key in required:
             if key not in entries:
                 raise QuantStateError(f"missing checkpoint entry '{key}'")
-        _check_table(entries["quant_map"], str(qt), "quant_map")
+        _check_table(entries["quant_map"], qt, "quant_map")
         if nested:
             _check_table(entries["nested_quant_map"], "dynamic", "nested_quant_map")
-        shape = meta["shape"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) for s in shape):
-            raise QuantStateError(f"{json_keys[0]}: shape must be a list of ints, got {shape!r}")
         state = cls(
-            quant_type=str(qt),
+            quant_type=qt,
             blocksize=meta["blocksize"],
             shape=tuple(shape),
-            dtype=str(meta["dtype"]),
+            dtype=meta["dtype"],
             absmax=np.asarray(entries["absmax"]).reshape(-1),
             nested_absmax=np.asarray(entries["nested_absmax"]).reshape(-1) if nested else None,
-            nested_offset=meta.get("nested_offset"),
+            nested_offset=float(meta["nested_offset"]) if nested else None,
             nested_blocksize=meta.get("nested_blocksize", 256),
         )
         try:
@@ -152,7 +185,7 @@ class QuantState:
         except QuantStateError:
             raise
         except (ValueError, TypeError) as e:
-            raise QuantStateError(f"{json_keys[0]}: {e}") from e
+            raise QuantStateError(f"{jkey}: {e}") from e
 
 
 def _check_table(arr, which: str, key: str) -> None:
@@ -170,13 +203,67 @@ def pack_json(d: dict) -> np.ndarray:
 
 
 def unpack_json(arr, key: str = "quant_state") -> dict:
+    """The JSON object held by a uint8 tensor (see strict_json_loads); raises QuantStateError naming ``key``."""
     arr = np.asarray(arr)
     if arr.dtype != np.uint8:
         raise QuantStateError(f"{key} must be a uint8 tensor of UTF-8 JSON, got {arr.dtype}")
+    if arr.size > _JSON_STATE_LIMIT:
+        raise QuantStateError(f"{key} holds {arr.size} bytes; a quant_state JSON is at most {_JSON_STATE_LIMIT}")
     try:
-        d = json.loads(arr.tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        d = strict_json_loads(arr.tobytes())
+    except ValueError as e:
         raise QuantStateError(f"{key} is not valid UTF-8 JSON (corrupted or truncated?): {e}") from e
     if not isinstance(d, dict):
         raise QuantStateError(f"{key} must hold a JSON object, got {type(d).__name__}")
     return d
+
+
+# ------------------------------------------------------------ strict JSON
+
+_JSON_DEPTH = 32  # checkpoint JSON nests 3 levels deep (header -> tensor -> shape)
+_JSON_STATE_LIMIT = 1 << 20  # bitsandbytes' quant_state JSON is a few hundred bytes
+_INT64_MAX = (1 << 63) - 1
+
+
+def _finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def is_json_int(value) -> bool:
+    """True for a JSON integer as json.loads returns it (an int, not a bool)."""
+    return type(value) is int
+
+
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {short_repr(key)}")
+        out[key] = value
+    return out
+
+
+def strict_json_loads(data: bytes | str, max_depth: int = _JSON_DEPTH):
+    """json.loads for untrusted checkpoint JSON. Raises ValueError (never
+    another type) on invalid UTF-8 or JSON, an integer too long to convert, a
+    duplicate object key, or nesting deeper than ``max_depth``. (NaN and
+    Infinity parse as floats, as json.loads does, so that the typed checks
+    after it reject them naming the field: no field of the format takes them.)"""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        obj = json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError(f"nested more than {max_depth} levels deep") from None
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if items is None:
+            continue
+        if depth > max_depth:
+            raise ValueError(f"nested more than {max_depth} levels deep")
+        stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    return obj

@@ -472,9 +472,13 @@ class Linear8bit(_QuantLinear):
         bias_apply = _plan_bias(self, d, prefix, errs, used)
         n = len(errs)
         if k_fmt in d:
-            fmt = np.asarray(d[k_fmt])
-            if fmt.size != 1 or fmt.reshape(-1)[0] != _FORMAT_ROW:
-                errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt.tolist()!r}")
+            try:
+                fmt = q4_checkpoint.parse_weight_format(d[k_fmt], k_fmt)
+            except q4_checkpoint.CheckpointError as e:
+                errs.append(str(e))
+            else:
+                if fmt != "row":
+                    errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt!r}")
         if k_w not in d:
             errs.append(f"missing key '{k_w}'")
             return None

@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4torch import functional as F
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
-_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -317,9 +317,13 @@ class Linear8bitLt(nn.Linear):
 
         if k_fmt in state_dict:
             fmt = state_dict[k_fmt]
-            fmt = fmt.item() if isinstance(fmt, torch.Tensor) else fmt
-            if _FORMATS.get(fmt, fmt) != "row":
-                errs.append(f"{k_fmt}: only the row-major format (0 or 'row') is supported, got {fmt!r}")
+            try:
+                fmt = parse_weight_format(fmt.detach().cpu() if isinstance(fmt, torch.Tensor) else fmt, k_fmt)
+            except CheckpointError as e:
+                errs.append(str(e))
+            else:
+                if fmt != "row":
+                    errs.append(f"{k_fmt}: only the row-major format (0 or 'row') is supported, got {fmt!r}")
 
         new_w = new_scb = None
         w_in, scb_in = state_dict.get(k_w), state_dict.get(k_scb)

@@ -1,0 +1,63 @@
+"""Replays the fuzz corpus and every saved crash input through the fuzz
+targets' properties, as part of the normal test run (no atheris needed):
+tests/fuzz/corpus/checkpoint/* and tests/fuzz/regressions/checkpoint/*
+through fuzz_checkpoint.check. A crash input that scripts/fuzz.sh saved fails
+here until the bug is fixed. (The C ABI corpus is replayed by
+tests/kernels/test_sizes.py.)"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@functools.cache
+def _target(name: str):
+    spec = importlib.util.spec_from_file_location(f"q4_fuzz_{name}", HERE / f"fuzz_{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inputs(name: str) -> list[Path]:
+    return sorted(
+        p
+        for d in (HERE / "corpus" / name, HERE / "regressions" / name)
+        if d.is_dir()
+        for p in d.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.name != "README.md"
+    )
+
+
+CHECKPOINT_INPUTS = _inputs("checkpoint")
+
+
+def test_the_corpus_is_there():
+    """The seeds make_corpus.py writes (a replay of nothing would pass vacuously)."""
+    names = {p.name for p in CHECKPOINT_INPUTS}
+    for seed in ("nf4-plain", "nf4-nested", "int8", "model-00001-of-00002", "model-00002-of-00002"):
+        assert f"{seed}.safetensors" in names, seed
+    assert "model.safetensors.index.json" in names
+    corpus = HERE / "corpus" / "checkpoint"
+    assert sum(p.stat().st_size for p in corpus.iterdir()) < 1 << 20
+
+
+def test_seeds_are_valid_checkpoints():
+    """The seeds load cleanly, so the campaign starts from deep inside the loader."""
+    from q4 import checkpoint
+
+    for p in CHECKPOINT_INPUTS:
+        if p.parent.name == "checkpoint" and p.parent.parent.name == "corpus" and p.suffix == ".safetensors":
+            checkpoint.inspect_file(p)
+
+
+@pytest.mark.parametrize("path", CHECKPOINT_INPUTS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
+def test_replay_checkpoint(path):
+    _target("checkpoint").check(path.read_bytes())
