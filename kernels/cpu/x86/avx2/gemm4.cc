@@ -68,8 +68,8 @@ __m256 lookup(const Table16& t, const Nibbles8& nb) {
 }
 
 // Decode W elements [f, f + len) (f % 8 == 0, len % 8 == 0) into out, scaled.
-void decode_avx2(const Table16& t, const uint8_t* packed, const Scales& scales, int shift, int64_t f,
-                         int64_t len, float* out) {
+void decode_avx2(const Table16& t, const uint8_t* packed, const Scales& scales, int shift, int64_t f, int64_t len,
+                 float* out) {
   int64_t i = 0;
   while (i < len) {
     const int64_t block = (f + i) >> shift;
@@ -82,8 +82,7 @@ void decode_avx2(const Table16& t, const uint8_t* packed, const Scales& scales, 
 // gemv: MR (1..4) rows of X against every W row. Per block segment the
 // unscaled codes are multiplied into two accumulators per x row, then scaled.
 template <QuantType QT, int MR>
-void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t m0, int64_t n0,
-                            int64_t n1) {
+void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales, int64_t m0, int64_t n0, int64_t n1) {
   const Table16 t = code_table<QT>();
   const int64_t k = p.k;
   const int shift = log2_exact(p.blocksize);
@@ -186,8 +185,7 @@ void gemv1_chunk_rows_avx2(const Gemm4bitParams& p, const float* xt, const Scale
 }
 
 template <QuantType QT>
-void gemv1_chunked_avx2(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t n0,
-                                int64_t n1) {
+void gemv1_chunked_avx2(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t n0, int64_t n1) {
   int64_t r = n0;
   for (; r + 2 <= n1; r += 2) gemv1_chunk_rows_avx2<QT, 2>(p, xt, scales, r);
   if (r < n1) gemv1_chunk_rows_avx2<QT, 1>(p, xt, scales, r);
@@ -216,8 +214,7 @@ constexpr int64_t kChunk = 256;  // columns (forward) or rows (backward) decoded
 // with acc[i][h] at acc_mem + (i*2 + h)*8. Forward: a = decoded W rows, b_h =
 // X panels; backward: a = dY rows, b_h = the two halves of a W column strip.
 template <int R, int Q>
-void micro(const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t len,
-                   float* acc_mem) {
+void micro(const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t len, float* acc_mem) {
   const float* b[2] = {b0, b1};
   __m256 acc[R][Q];
   for (int i = 0; i < R; ++i)
@@ -237,7 +234,7 @@ void micro(const float* a, int64_t lda, const float* b0, const float* b1, int64_
 // The full 6x2 tile with named accumulators: written out so the compiler keeps
 // all 12 in registers (the array form above spills them on every iteration).
 void micro_6x2(const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t len,
-                       float* acc_mem) {
+               float* acc_mem) {
 #define Q4_LOAD_ROW(i) \
   __m256 a##i##0 = _mm256_loadu_ps(acc_mem + (i * 2) * 8), a##i##1 = _mm256_loadu_ps(acc_mem + (i * 2 + 1) * 8)
   Q4_LOAD_ROW(0);
@@ -276,8 +273,8 @@ void micro_6x2(const float* a, int64_t lda, const float* b0, const float* b1, in
 }
 
 template <int R>
-void micro_q(int q_count, const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb,
-                     int64_t len, float* acc_mem) {
+void micro_q(int q_count, const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb, int64_t len,
+             float* acc_mem) {
   if (q_count == 2)
     micro<R, 2>(a, lda, b0, b1, ldb, len, acc_mem);
   else
@@ -285,8 +282,8 @@ void micro_q(int q_count, const float* a, int64_t lda, const float* b0, const fl
 }
 
 // R (1..6) rows x q_count (1..2) vectors.
-void micro_any(int rows, int q_count, const float* a, int64_t lda, const float* b0, const float* b1,
-                       int64_t ldb, int64_t len, float* acc_mem) {
+void micro_any(int rows, int q_count, const float* a, int64_t lda, const float* b0, const float* b1, int64_t ldb,
+               int64_t len, float* acc_mem) {
   if (rows == 6 && q_count == 2) return micro_6x2(a, lda, b0, b1, ldb, len, acc_mem);
 #define Q4_MICRO(R) micro_q<R>(q_count, a, lda, b0, b1, ldb, len, acc_mem)
   Q4_ROWS_SWITCH_6(rows, Q4_MICRO)
@@ -294,8 +291,7 @@ void micro_any(int rows, int q_count, const float* a, int64_t lda, const float* 
 }
 
 template <QuantType QT>
-void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0,
-                             int64_t t1);
+void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0, int64_t t1);
 
 template <QuantType QT>
 void gemm_tiled_avx2(const Gemm4bitParams& p, const float* x, const Scales& scales) {
@@ -337,8 +333,7 @@ void store_tile(const Gemm4bitParams& p, const float* acc, int64_t r0, int rows)
 }
 
 template <QuantType QT>
-void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0,
-                             int64_t t1) {
+void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales& scales, int64_t t0, int64_t t1) {
   const int64_t k = p.k, panels = ceil_div(p.m, 8);
   const int shift = log2_exact(p.blocksize);
   const Table16 table = code_table<QT>();
@@ -372,8 +367,7 @@ void gemm_tiles_avx2(const Gemm4bitParams& p, const float* xp_all, const Scales&
 
 // dX column strips of width 16 (8 for a final strip of k % 16 == 8).
 template <QuantType QT>
-void grad_strips_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales, int64_t s0,
-                              int64_t s1) {
+void grad_strips_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales, int64_t s0, int64_t s1) {
   const int64_t k = p.k, groups = ceil_div(p.m, kRowTile);
   const int shift = log2_exact(p.blocksize);
   const Table16 table = code_table<QT>();
@@ -405,8 +399,7 @@ void grad_strips_avx2(const Gemm4bitGradInputParams& p, const float* dy, const S
 // column range the unscaled codes are accumulated into dX with the
 // coefficient dY[m, r] * scale (the scale folded into the broadcast).
 template <QuantType QT, int MR>
-void grad_rows_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales, int64_t g0,
-                            int64_t g1) {
+void grad_rows_avx2(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales, int64_t g0, int64_t g1) {
   const Table16 t = code_table<QT>();
   const int64_t k = p.k, c0 = g0 * 8, width = (g1 - g0) * 8;
   const int shift = log2_exact(p.blocksize);
