@@ -6,13 +6,9 @@ namespace q4 {
 namespace cpu {
 namespace avx512 {
 
-bool gemm4_tiled(const Gemm4bitParams &, const gemm4::Scales &) {
-  return false;
-}
-bool grad4(const Gemm4bitGradInputParams &, const gemm4::Scales &) {
-  return false;
-}
+bool gemm4_tiled(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
+bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
 
-} // namespace avx512
-} // namespace cpu
-} // namespace q4
+}  // namespace avx512
+}  // namespace cpu
+}  // namespace q4
