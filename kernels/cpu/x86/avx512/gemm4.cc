@@ -1,6 +1,7 @@
 // AVX-512 (F, BW, VL) kernels of the fused 4-bit matmuls, fp32 compute (the
-// bit-exact fp32 contract of q4/kernels.h): the batch-1 gemv here (k % 64 ==
-// 0), the tiled forward and the input gradient in gemm4_tiled.cc.
+// fp32 contract of q4/kernels.h): the batch-1 gemv here (k % 128 == 0 on
+// 128-element chunks, else k % 64 == 0 on 64-element chunks), the tiled
+// forward and the input gradient in gemm4_tiled.cc.
 #include <algorithm>
 #include <cstring>
 
@@ -26,6 +27,7 @@ using namespace gemm4;  // NOLINT: the shared pieces of every gemm4 unit
 // GCC 13): silenced for the AVX-512 functions below only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 // AVX-512 batch-1 gemv (k % 64 == 0): 16 bytes widen to 16 int32 lanes
 // (byte i of a half-chunk in lane i); `permutexvar` looks the 16-entry code
@@ -76,6 +78,97 @@ void gemv1_avx512(const Gemm4bitParams& p, const float* xe, const float* xo, con
   if (r < n1) gemv1_rows_avx512<QT, 1>(p, xe, xo, scales, r);
 }
 
+// Batch-1 gemv on 128-element chunks (k % 128 == 0), with no widening
+// shuffles: one 64-byte load holds the chunk; dword j = elements 8j..8j+7,
+// byte b of it elements 8j+2b (high nibble) and 8j+2b+1 (low nibble).
+// `permutexvar` reads the low 4 bits of each dword, so step i (dword shifted
+// right by kShift[i]) looks up element 8j + kElem[i] of every dword j: eight
+// immediate shifts and eight table lookups per 128 weights. x is transposed
+// per chunk to match (xt[c*128 + 16i + j] = x[c*128 + 8j + kElem[i]]). Dword
+// j lies in block (c*128 + 8j) >> shift: one scale for the chunk when
+// blocksize >= 128, two halves at 64, four quarters at 32, applied once per
+// chunk to that chunk's unscaled sums. R rows share every x load.
+constexpr int kShift[8] = {4, 0, 12, 8, 20, 16, 28, 24};
+constexpr int kElem[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+// Scales of the 16 dwords of chunk c from the row's block scales rs.
+inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
+  const int64_t f = c * 128;
+  if (shift >= 7) return _mm512_set1_ps(rs[f >> shift]);
+  if (shift == 6) {
+    const __m512d lo = _mm512_castps_pd(_mm512_set1_ps(rs[f >> 6]));
+    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_set1_ps(rs[(f >> 6) + 1])), 1));
+  }
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + (f >> 5))));
+}
+
+template <QuantType QT, int R>
+void gemv128_rows(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t r0, float* rs) {
+  alignas(64) float codes[16];
+  for (int q = 0; q < 16; ++q) codes[q] = Code4<QT>::decode(q);
+  const __m512 table = _mm512_load_ps(codes);
+  const int64_t k = p.k, chunks = k / 128;
+  const int shift = log2_exact(p.blocksize);
+  const int64_t row_blocks = ceil_div(k, p.blocksize) + 1;
+  // block scales of each row, decoded once (rows start on a block boundary
+  // only when blocksize divides k; otherwise blocks straddle rows)
+  for (int j = 0; j < R; ++j) {
+    const int64_t f0 = (r0 + j) * k;
+    scales.decode(f0 >> shift, std::min(((f0 + k - 1) >> shift) + 1, (f0 >> shift) + row_blocks), rs + j * row_blocks);
+  }
+  __m512 total[R];
+  for (int j = 0; j < R; ++j) total[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i v[R];
+    __m512 a0[R], a1[R];
+    for (int j = 0; j < R; ++j) {
+      v[j] = _mm512_loadu_si512(p.packed + ((r0 + j) * k + c * 128) / 2);
+      a0[j] = a1[j] = _mm512_setzero_ps();
+    }
+    const float* xc = xt + c * 128;
+#define Q4_STEP(i, acc)                                                                                       \
+  {                                                                                                           \
+    const __m512 xv = _mm512_loadu_ps(xc + 16 * (i));                                                         \
+    for (int j = 0; j < R; ++j)                                                                               \
+      acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v[j], kShift[i]), table), xv, acc[j]); \
+  }
+    Q4_STEP(0, a0)
+    Q4_STEP(1, a1)
+    Q4_STEP(2, a0)
+    Q4_STEP(3, a1)
+    Q4_STEP(4, a0)
+    Q4_STEP(5, a1)
+    Q4_STEP(6, a0)
+    Q4_STEP(7, a1)
+#undef Q4_STEP
+    for (int j = 0; j < R; ++j) {
+      // rs holds this row's blocks from block (row start >> shift)
+      const int64_t f0 = (r0 + j) * k;
+      const float* rj = rs + j * row_blocks - (f0 >> shift);
+      total[j] = _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales(rj, (f0 >> 7) + c, shift), total[j]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    store_out(p.out, p.out_dtype, r0 + j, _mm512_reduce_add_ps(total[j]) + load_bias(p.bias, p.bias_dtype, r0 + j));
+}
+
+template <QuantType QT>
+void gemv128(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+  float* xt = scratch(kSlotPanels, p.k);
+  for (int64_t c = 0; c < p.k; c += 128)
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 16; ++j) xt[c + 16 * i + j] = x[c + 8 * j + kElem[i]];
+  const int64_t row_blocks = ceil_div(p.k, p.blocksize) + 1;
+  parallel_for(ceil_div(p.n, 2), 8, [&](int64_t a, int64_t b) {
+    float* rs = scratch(kSlotRow, 2 * row_blocks);
+    const int64_t n0 = 2 * a, n1 = std::min(p.n, 2 * b);
+    int64_t r = n0;
+    for (; r + 2 <= n1; r += 2) gemv128_rows<QT, 2>(p, xt, scales, r, rs);
+    if (r < n1) gemv128_rows<QT, 1>(p, xt, scales, r, rs);
+  });
+}
+
 #pragma GCC diagnostic pop
 
 template <QuantType QT>
@@ -96,6 +189,10 @@ bool gemm4(const Gemm4bitParams& p, const Scales& scales) {
   if (p.m > 1) return gemm4_tiled(p, scales);
   if (p.k % 64 != 0) return false;
   const float* x = as_f32(p.x, p.x_dtype, p.k);
+  if (p.k % 128 == 0) {
+    Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv128<QT>(p, x, scales); });
+    return true;
+  }
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv1<QT>(p, x, scales); });
   return true;
 }

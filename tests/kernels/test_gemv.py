@@ -1,0 +1,51 @@
+"""Batch-1 fused 4-bit gemv on every CPU level (the AVX-512 unit has its own
+128- and 64-element chunk paths): against the fp64 product with the
+dequantized weight, within the fp32 rounding bound (k+2) u sum|x||w|, over
+block sizes that split a chunk into 1, 2 or 4 scales and blocks larger than
+a row (rows start inside a block)."""
+
+import numpy as np
+import pytest
+
+import q4
+
+U32 = np.finfo(np.float32).eps / 2
+
+
+def _weight(rng, n, k, blocksize, quant_type, nested):
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
+    if nested:
+        codes, absmax2, offset = q4.quantize_nested(absmax)
+        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", codes, absmax2, offset)
+        absmax = q4.dequantize_blockwise(codes, absmax2, 256, offset=offset)
+    else:
+        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
+    return packed, state, q4.dequantize_4bit(packed, absmax, (n, k), blocksize, quant_type).astype(np.float64)
+
+
+@pytest.mark.parametrize("k", [64, 128, 192, 384, 1024])
+@pytest.mark.parametrize("blocksize", [32, 64, 128, 256, 4096])
+@pytest.mark.parametrize("quant_type, nested", [("nf4", True), ("fp4", False)])
+def test_gemv_within_fp32_bound(isa_all, rng, k, blocksize, quant_type, nested):
+    n = 37  # odd: a single-row tail
+    packed, state, w = _weight(rng, n, k, blocksize, quant_type, nested)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    y = q4.gemm_4bit(x, packed, state, bias=bias).astype(np.float64)
+    want = x.astype(np.float64) @ w.T + bias
+    bound = (k + 2) * U32 * (np.abs(x).astype(np.float64) @ np.abs(w).T + np.abs(bias))
+    assert np.all(np.abs(y - want) <= bound), (np.abs(y - want) / bound).max()
+
+
+def test_gemv_thread_count_does_not_change_bits(rng):
+    packed, state, _ = _weight(rng, 301, 1024, 64, "nf4", True)
+    x = rng.standard_normal((1, 1024)).astype(np.float32)
+    outs = []
+    for t in (1, 2, 3):
+        q4.set_num_threads(t)
+        try:
+            outs.append(q4.gemm_4bit(x, packed, state).tobytes())
+        finally:
+            q4.set_num_threads(0)
+    assert outs[0] == outs[1] == outs[2]
