@@ -21,8 +21,8 @@ install: $(VENV)/.build-deps
 	$(BIN)/pip install -q --no-build-isolation ".[test]"
 
 lint: install
-	$(BIN)/ruff check q4 q4torch q4jax tests examples
-	$(BIN)/ruff format --check q4 q4torch q4jax tests examples
+	$(BIN)/ruff check q4 q4torch q4jax tests examples benchmarks
+	$(BIN)/ruff format --check q4 q4torch q4jax tests examples benchmarks
 	$(BIN)/clang-format --dry-run --Werror $(shell git ls-files 'kernels/*.h' 'kernels/*.cc' 'kernels/*.cu' 'kernels/*.cuh')
 
 bazel: install
@@ -53,7 +53,7 @@ demo: install
 
 bench: install
 	$(BIN)/pip install -q "qwix==0.1.8"
-	$(BIN)/q4 bench
+	$(BIN)/python benchmarks/run.py
 
 clean:
 	rm -rf build $(VENV)

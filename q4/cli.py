@@ -1,9 +1,8 @@
-"""The ``q4`` command: quantize, inspect and check checkpoints, and benchmark.
+"""The ``q4`` command: quantize, inspect and check checkpoints.
 
     q4 quantize model.safetensors model-nf4.safetensors --type nf4
     q4 inspect model-nf4.safetensors
     q4 parity model-nf4.safetensors
-    q4 bench
 
 User mistakes (missing or corrupted files, bad options) print one line,
 ``q4: error: ...``, and exit with status 1 (2 for a malformed command line).
@@ -255,30 +254,6 @@ def cmd_parity(args) -> int:
     return 1 if bad else 0
 
 
-_BENCHES = {
-    "kernels": "q4.bench.kernels",
-    "matmul": "q4.bench.matmul",
-    "layers": "q4.bench.layers",
-    "jax": "q4.bench.jax_layers",
-}
-
-
-def cmd_bench(args) -> int:
-    import importlib
-
-    unknown = [n for n in args.which if n not in _BENCHES]
-    if unknown:
-        raise UserError(f"unknown benchmark {unknown[0]!r}; choose from {', '.join(_BENCHES)}")
-    for name in args.which or list(_BENCHES):
-        print(f"== q4 bench {name}")
-        try:
-            module = importlib.import_module(_BENCHES[name])
-            module.main()
-        except ModuleNotFoundError as e:
-            raise UserError(f"'q4 bench {name}' needs {e.name} (pip install 'q4[test]')") from e
-    return 0
-
-
 # ------------------------------------------------------------------ parser
 
 
@@ -356,16 +331,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layer", nargs="+", metavar="NAME", help="check only these layers")
     c.set_defaults(func=cmd_parity)
 
-    b = sub.add_parser(
-        "bench",
-        help="run the benchmarks on this machine",
-        description=(
-            "Time q4's kernels, fused matmuls and layers beside bitsandbytes (and qwix for JAX, when installed) and "
-            "dense baselines in one process; prints tables and writes JSON under $Q4_BENCH_DIR (default ./bench-results)."
-        ),
-    )
-    b.add_argument("which", nargs="*", metavar="NAME", help=f"any of: {', '.join(_BENCHES)} (default: all)")
-    b.set_defaults(func=cmd_bench)
     return p
 
 

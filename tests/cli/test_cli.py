@@ -336,7 +336,7 @@ def test_console_script(source, tmp_path):
     assert script.exists(), f"the q4 console script is not installed next to {sys.executable}"
     src, _ = source
     r = subprocess.run([script, "--help"], capture_output=True, text=True, check=True)
-    assert all(c in r.stdout for c in ("quantize", "inspect", "parity", "bench"))
+    assert all(c in r.stdout for c in ("quantize", "inspect", "parity"))
     r = subprocess.run([script, "quantize", str(src), str(tmp_path / "q.safetensors")], capture_output=True, text=True)
     assert r.returncode == 0 and "quantized layers" in r.stdout, r.stderr
     r = subprocess.run(
@@ -345,8 +345,6 @@ def test_console_script(source, tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     r = subprocess.run([script, "quantize", str(src)], capture_output=True, text=True)
     assert r.returncode == 2 and "usage:" in r.stderr
-    r = subprocess.run([script, "bench", "nonsense"], capture_output=True, text=True)
-    assert r.returncode == 1 and "unknown benchmark 'nonsense'" in r.stderr
 
 
 def test_quantize_streams_tensor_by_tensor(tmp_path):

@@ -1,14 +1,970 @@
 // AVX512_BF16 kernels of the fused 4-bit matmuls: bf16 compute for bf16
-// inputs. (Placeholder: serves nothing yet, so the fp32 kernels run.)
+// inputs (x for the forward, dY for the input gradient).
+//
+// What every path computes (the bf16-compute contract): each W element is its
+// fp32 value decode(nibble) * scale(block) (what dequantize_4bit returns in
+// fp32) rounded once to bf16, round to nearest even; products of bf16 inputs
+// and bf16 W are accumulated in fp32 by vdpbf16ps; the bias is added in fp32
+// and the sum rounded once to the output dtype. vdpbf16ps and vcvtne2ps2bf16
+// treat denormal inputs as zero and flush denormal results to zero (so input
+// values and W values below 2^-126 in magnitude count as zero, and partial
+// sums below it as zero). The error against the exact product with bf16 W is
+// then at most (len+2) * 2^-24 * sum |x|.|W| (plus these flushes), where len is
+// the reduction length, whatever the path; the paths differ only in the order
+// of the fp32 additions. Results do not depend on the thread count: work is
+// split over output columns / rows only, and each output is summed in a fixed
+// order.
+//
+// Decode: a 64-element chunk of a W row (32 packed bytes) widens to 32 words
+// (word j = byte j); the low 5 bits of word j (low nibble plus one stray bit)
+// and of word j >> 4 (high nibble) index a 32-word bf16 table with vpermw.
+// The table is the 16 codes times the block scale in fp32, rounded to bf16 by
+// vcvtne2ps2bf16, stored twice (words 0-15 and 16-31) so the stray bit does
+// not matter; with blocksize 32 a chunk spans two blocks, and the table holds
+// the first block's values in words 0-15 and the second's in 16-31, selected
+// by bit 4 of the masked index. So a chunk decodes to two vectors of bf16:
+// hi = elements 0, 2, ..., 62 and lo = elements 1, 3, ..., 63 of the chunk.
+// The inputs are rearranged once per call to match (a "deinterleaved" chunk:
+// 32 even elements, then 32 odd ones); no W value is stored beyond an L1/L2
+// tile, and nothing is kept across calls.
+//
+// Paths (each output's additions in a fixed order, whatever the threads):
+//   gemv  (m <= kGemvMaxM = 18): x deinterleaved once. W rows are decoded
+//         chunk by chunk into registers, 4 rows at a time, and dotted with up
+//         to 4 x rows held in registers; each output keeps 16 fp32 lanes of
+//         partial sums (two sets for m <= 2), summed at the end. More x rows:
+//         groups of <= 4 over k segments short enough for all x rows'
+//         segment to stay in L1; the first group's pass also stores the
+//         decoded row group in an L1 buffer read by the other groups; the
+//         lanes are carried in memory between segments (so the sums are
+//         those of one pass). The next row group's bytes are prefetched.
+//   tiled (m > kGemvMaxM): x packed once into panels of 16 rows ([k/2 pairs]
+//         [16 rows] dwords); tiles of 32 W rows x 256 k decoded into bf16
+//         and reused by every panel in an 8-row x 3-panel register tile (W
+//         pairs broadcast with vpbroadcastd); lanes are x rows (no horizontal
+//         sums), accumulators carried across k tiles in memory; the output
+//         is transposed 16x16 at the store. Up to 2 panels: tiles of 16 rows,
+//         the next tile decoded inside the current tile's dot products.
+//   grad  dX[m, k] = dY[m, n] . W[n, k], the reduction over n: threads own
+//         strips of 64 dX columns; W rows (2i, 2i+1) are interleaved by
+//         vpermt2w into zmm = 16 columns x 2 rows and dotted with broadcast
+//         dY pairs. m <= 4: decoded into registers and used at once (two
+//         accumulator sets for m <= 2); more: tiles of 256 rows x 64 columns
+//         decoded into a 32 KiB buffer, reused by every group of 6 dY rows.
+//         Every block scale is decoded once per call.
+// Shapes served: k % 64 == 0 (every W row starts on a 32-byte boundary and a
+// chunk never straddles more than two blocks); any m, n. Other k return false
+// and the fp32 kernels run. Inputs of another dtype also return false.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
 #include "../../dispatch.h"
+#include "../../gemm4_common.h"
+#include "../../parallel.h"
+#include "q4/common.h"
+#include "q4/dynamic8.h"
+#include "q4/kernels.h"
+#include "q4/quant4.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c")
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (they pass
+// _mm512_undefined_*() as the merge source; GCC bug 105593, fixed in GCC 13).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace q4 {
 namespace cpu {
 namespace avx512_bf16 {
+namespace {
 
-bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
-bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
+using gemm4::kSlotAcc;
+using gemm4::kSlotInput;
+using gemm4::kSlotPanels;
+using gemm4::kSlotRow;
+using gemm4::log2_exact;
+
+constexpr int64_t kChunk = 64;     // W elements decoded per step (32 packed bytes)
+constexpr int64_t kGemvMaxM = 18;  // gemv path up to this many rows of x (measured crossover)
+constexpr int kGemvGroup = 4;      // x rows per pass of the gemv path
+
+// ------------------------------------------------------------ small helpers
+
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// A 64-byte aligned view of a scratch slot of at least `bytes` bytes.
+template <typename T>
+T* scratch_as(int slot, int64_t bytes) {
+  float* p = scratch(slot, (bytes + 3) / 4 + 16);
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63);
+  return reinterpret_cast<T*>(a);
+}
+
+inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, as_bh(a), as_bh(b)); }
+
+// Block scales, decoded exactly as gemm4::Scales does (fp32(code[q] * absmax2)
+// + offset for nested scales), 16 at a time.
+class BlockScales {
+ public:
+  explicit BlockScales(const Absmax4& a) : a_(a) {
+    if (a.nested()) {
+      for (int i = 0; i < 256; ++i) code_[i] = a.nested_code ? a.nested_code[i] : dynamic8::value(i);
+      offset_ = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
+    }
+  }
+  float one(int64_t b) const {
+    if (!a_.nested()) return a_.absmax[b];
+    const float scaled = code_[a_.nested_codes[b]] * a_.nested_absmax[b / kNestedBlocksize];
+    return scaled + offset_;
+  }
+  // scales of blocks [b0, b1) into out[0, b1 - b0)
+  void decode(int64_t b0, int64_t b1, float* out) const {
+    if (!a_.nested()) {
+      memcpy(out, a_.absmax + b0, size_t(b1 - b0) * sizeof(float));
+      return;
+    }
+    int64_t b = b0;
+    for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = one(b);
+    // the 256-entry code book as 16 vectors: a 16-lane lookup is 8 two-table
+    // permutes (index bits 0-4) and 7 blends (bits 5-7); a gather is slower
+    __m512 t[16];
+    for (int i = 0; i < 16; ++i) t[i] = _mm512_load_ps(code_ + 16 * i);
+    const __m512 offset = _mm512_set1_ps(offset_);
+    for (; b + 16 <= b1; b += 16) {
+      // 16 consecutive blocks from a multiple of 16 share one absmax2 (block 256)
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a_.nested_codes + b)));
+      __m512 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm512_permutex2var_ps(t[2 * i], q, t[2 * i + 1]);
+      const __mmask16 b5 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(32));
+      const __mmask16 b6 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(64));
+      const __mmask16 b7 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(128));
+      for (int i = 0; i < 4; ++i) r[i] = _mm512_mask_blend_ps(b5, r[2 * i], r[2 * i + 1]);
+      for (int i = 0; i < 2; ++i) r[i] = _mm512_mask_blend_ps(b6, r[2 * i], r[2 * i + 1]);
+      const __m512 code = _mm512_mask_blend_ps(b7, r[0], r[1]);
+      const __m512 scaled = _mm512_mul_ps(code, _mm512_set1_ps(a_.nested_absmax[b / kNestedBlocksize]));
+      _mm512_storeu_ps(out + (b - b0), _mm512_add_ps(scaled, offset));
+    }
+    for (; b < b1; ++b) out[b - b0] = one(b);
+  }
+
+ private:
+  const Absmax4& a_;
+  alignas(64) float code_[256] = {};
+  float offset_ = 0.0f;
+};
+
+// The 16 fp32 codes of the format.
+inline __m512 code_table(QuantType qt) {
+  alignas(64) float t[16];
+  for (int q = 0; q < 16; ++q) t[q] = qt == kNF4 ? Code4<kNF4>::decode(q) : Code4<kFP4>::decode(q);
+  return _mm512_load_ps(t);
+}
+
+// Word j of the bf16 table: bit 4 set for j >= 16 (selects the second block's
+// half of the table when a chunk spans two blocks).
+inline __m512i upper_half_bit() { return _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1); }
+
+// bf16 table of one chunk: codes * s0 in both halves, or codes * s0 in words
+// 0-15 and codes * s1 in words 16-31 (TWO: blocksize 32).
+template <bool TWO>
+inline __m512i chunk_table(__m512 codes, float s0, float s1) {
+  const __m512 a = _mm512_mul_ps(codes, _mm512_set1_ps(s0));
+  if (!TWO) return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(a, a));
+  const __m512 b = _mm512_mul_ps(codes, _mm512_set1_ps(s1));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+}
+
+struct Chunk {
+  __m512i hi, lo;  // bf16 W of chunk elements 0, 2, ..., 62 and 1, 3, ..., 63
+};
+
+// Decode the 64-element chunk at `bytes` (32 packed bytes) with table `tab`.
+template <bool TWO>
+inline Chunk decode_chunk(const uint8_t* bytes, __m512i tab, __m512i half) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)));
+  __m512i ih = _mm512_srli_epi16(v, 4), il = v;
+  if (TWO) {
+    ih = _mm512_or_si512(ih, half);
+    il = _mm512_ternarylogic_epi32(v, _mm512_set1_epi16(15), half, 0xea);  // (v & 15) | half
+  }
+  return {_mm512_permutexvar_epi16(ih, tab), _mm512_permutexvar_epi16(il, tab)};
+}
+
+// Word indices that deinterleave 64 words held in two vectors: even words,
+// then odd words.
+inline __m512i deinterleave_index(int parity) {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 32; ++i) idx[i] = uint16_t(2 * i + parity);
+  return _mm512_load_si512(idx);
+}
+
+// The deinterleaved chunk of 64 bf16 at src: e = elements 0, 2, ..., 62;
+// o = 1, 3, ..., 63.
+inline void deinterleave64(const uint16_t* src, __m512i ie, __m512i io, __m512i* e, __m512i* o) {
+  const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 32);
+  *e = _mm512_permutex2var_epi16(a, ie, b);
+  *o = _mm512_permutex2var_epi16(a, io, b);
+}
+
+// 16x16 transpose of 32-bit elements held in r[0..15].
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // r[4i + j] now holds, in 128-bit lane L, rows 4i..4i+3 of column 4L + j;
+  // two rounds of lane shuffles put column c in r[c].
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const __m512i a = r[8 * i + j], b = r[8 * i + 4 + j];
+      t[8 * i + j] = _mm512_shuffle_i32x4(a, b, 0x88);      // lanes a0 a2 b0 b2
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);  // lanes a1 a3 b1 b3
+    }
+  for (int j = 0; j < 8; ++j) {
+    const __m512i a = t[j], b = t[8 + j];
+    r[j] = _mm512_shuffle_i32x4(a, b, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);
+  }
+}
+
+// Output stores: 16 fp32 values (of which `count` are written) as T.
+template <typename T>
+inline void store16(T* dst, __m512 v, int count);
+template <>
+inline void store16<float>(float* dst, __m512 v, int count) {
+  _mm512_mask_storeu_ps(dst, __mmask16((1u << count) - 1), v);
+}
+template <>
+inline void store16<bf16_t>(bf16_t* dst, __m512 v, int count) {
+  // round to nearest even; NaN -> quiet NaN (as f32_to_bf16)
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_mask_storeu_epi16(dst, __mmask16((1u << count) - 1), _mm512_cvtepi32_epi16(r));
+}
+template <>
+inline void store16<f16_t>(f16_t* dst, __m512 v, int count) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, v);
+  for (int i = 0; i < count; ++i) Elem<f16_t>::store(dst, i, t[i]);
+}
+
+template <typename T>
+inline float load_bias_as(const void* bias, int64_t i) {
+  return bias == nullptr ? 0.0f : Elem<T>::load(static_cast<const T*>(bias), i);
+}
+
+// ------------------------------------------------------------- gemv (m small)
+
+struct GemvArgs {
+  const uint8_t* packed;
+  int64_t k;
+  int shift;
+  __m512 codes;
+  const uint16_t* xq;  // deinterleaved x rows, [m][k]
+};
+
+// R W rows (from r0) against M deinterleaved x rows (from j0), over columns
+// [c0, c1): the 16-lane partial sums of output (i, j) are carried in
+// acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
+// hide the vdpbf16ps latency). W is decoded here (sc[b - b_base] = scale of
+// block b), and also stored into wbuf (row i's chunks at wbuf + i * ldw) for
+// the next x groups (W_STORE), or read from wbuf (W_LOAD).
+enum WMode : int { W_DECODE = 0, W_STORE = 1, W_LOAD = 2 };
+
+template <int R, int M, int H, bool TWO, int MODE>
+void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1, const float* sc, int64_t b_base,
+               uint16_t* wbuf, int64_t ldw, __m512* acc_mem, int64_t lda) {
+  const int64_t k = g.k;
+  const __m512i half = upper_half_bit();
+  __m512 acc[R][M][H];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j)
+      for (int h = 0; h < H; ++h) acc[i][j][h] = acc_mem[i * lda + j * H + h];
+  const uint16_t* x = g.xq + j0 * k;
+  for (int64_t c = c0; c < c1; c += kChunk) {
+    // the x chunk stays in registers for all R rows (512-bit loads and the
+    // decode compete with the dot products; the x loads are shared)
+    __m512i xe[M], xo[M];
+#pragma GCC unroll 8
+    for (int j = 0; j < M; ++j) {
+      xe[j] = _mm512_load_si512(x + j * k + c);
+      xo[j] = _mm512_load_si512(x + j * k + c + 32);
+    }
+    // all R rows' W first, then the dot products (more independent work for
+    // the out-of-order core between a decode and its use)
+    Chunk w[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      if (MODE == W_LOAD) {
+        w[i].hi = _mm512_load_si512(wbuf + i * ldw + (c - c0));
+        w[i].lo = _mm512_load_si512(wbuf + i * ldw + (c - c0) + 32);
+      } else {
+        const int64_t f = (r0 + i) * k + c;
+        const int64_t b = (f >> g.shift) - b_base;
+        const __m512i tab = chunk_table<TWO>(g.codes, sc[b], TWO ? sc[b + 1] : 0.0f);
+        // W is streamed once (from L3 or DRAM): ask for the same chunk of the
+        // next row group (what comes next; the hardware prefetchers miss the
+        // R interleaved row streams): from DRAM 1.6x faster
+        if ((c & kChunk) == 0) _mm_prefetch(reinterpret_cast<const char*>(g.packed + f / 2 + R * k / 2), _MM_HINT_T0);
+        w[i] = decode_chunk<TWO>(g.packed + f / 2, tab, half);
+        if (MODE == W_STORE) {
+          _mm512_store_si512(wbuf + i * ldw + (c - c0), w[i].hi);
+          _mm512_store_si512(wbuf + i * ldw + (c - c0) + 32, w[i].lo);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < M; ++j) {
+        acc[i][j][0] = dot(acc[i][j][0], w[i].hi, xe[j]);
+        acc[i][j][H - 1] = dot(acc[i][j][H - 1], w[i].lo, xo[j]);
+      }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j)
+      for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
+}
+
+// M x rows (1..4); H = 2 accumulators per output (only when m <= 2, so
+// then M <= 2).
+template <int R, bool TWO, int MODE>
+void gemv_tile_m(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1, const float* sc,
+                 int64_t b_base, uint16_t* wbuf, int64_t ldw, __m512* acc, int64_t lda) {
+  if (H == 2) {
+    if (M == 2) return gemv_tile<R, 2, 2, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    return gemv_tile<R, 1, 2, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  }
+  switch (M) {
+    case 4:
+      return gemv_tile<R, 4, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    case 3:
+      return gemv_tile<R, 3, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    case 2:
+      return gemv_tile<R, 2, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    default:
+      return gemv_tile<R, 1, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  }
+}
+
+template <int R, bool TWO>
+void gemv_rows(int mode, int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1,
+               const float* sc, int64_t b_base, uint16_t* wbuf, int64_t ldw, __m512* acc, int64_t lda) {
+  if (mode == W_LOAD) return gemv_tile_m<R, TWO, W_LOAD>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  if (mode == W_STORE) return gemv_tile_m<R, TWO, W_STORE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  gemv_tile_m<R, TWO, W_DECODE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+}
+
+constexpr int kGemvR = 4;                  // W rows per gemv register tile
+constexpr int64_t kGemvBlockRows = 32;     // W rows whose partial sums are carried between k segments
+constexpr int64_t kGemvXBytes = 16 << 10;  // x bytes per k segment (stays in L1)
+
+// m <= 4: each W row group is decoded into registers and dotted with every x
+// row at once. 4 < m <= kGemvMaxM: x rows in groups of <= 4; per k segment,
+// each W row group is decoded by the first group's pass, which also keeps it
+// in an L1 buffer for the others (cheaper than decoding it again). Partial
+// sums are carried in memory between segments as 16-lane vectors, so the
+// sums are those of one pass over k.
+template <typename OutT, typename BiasT, bool TWO>
+void gemv_path(const Gemm4bitParams& p, const BlockScales& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  // deinterleaved x, one pass (caller's scratch)
+  uint16_t* xq = scratch_as<uint16_t>(kSlotPanels, m * k * 2);
+  {
+    const uint16_t* x = static_cast<const uint16_t*>(p.x);
+    const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
+    for (int64_t i = 0; i < m * k; i += kChunk) {
+      __m512i e, o;
+      deinterleave64(x + i, ie, io, &e, &o);
+      _mm512_storeu_si512(xq + i, e);
+      _mm512_storeu_si512(xq + i + 32, o);
+    }
+  }
+  const GemvArgs g{p.packed, k, log2_exact(p.blocksize), code_table(p.quant_type), xq};
+  // x groups of at most 4 rows, as even as possible
+  const int groups = int(ceil_div(m, kGemvGroup));
+  const int64_t gsize = ceil_div(m, groups);
+  const bool buffered = groups > 1;
+  const int H = m <= 2 ? 2 : 1;
+  const int64_t lda = m * H;  // vectors per W row in acc
+  // k segments: the x rows' segment stays in L1
+  const int64_t seg = min64(k, max64(kChunk, kGemvXBytes / (2 * m) / kChunk * kChunk));
+  parallel_for(ceil_div(n, kGemvR), 16, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kGemvR, n1 = min64(n, t1 * kGemvR);
+    const int64_t sc_count = (((kGemvBlockRows * k) >> g.shift) + 4 + 15) / 16 * 16;
+    float* sc = scratch_as<float>(kSlotRow, sc_count * 4 + kGemvR * seg * 2);
+    uint16_t* wbuf = reinterpret_cast<uint16_t*>(sc + sc_count);
+    __m512* acc = scratch_as<__m512>(kSlotAcc, kGemvBlockRows * lda * 64);
+    float res[kGemvBlockRows * kGemvMaxM];
+    for (int64_t rb = n0; rb < n1; rb += kGemvBlockRows) {
+      const int64_t re = min64(n1, rb + kGemvBlockRows);
+      const int64_t b0 = (rb * k) >> g.shift, b1 = ((re * k - 1) >> g.shift) + 1;
+      scales.decode(b0, b1, sc);
+      for (int64_t i = 0; i < (re - rb) * lda; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c0 = 0; c0 < k; c0 += seg) {
+        const int64_t c1 = min64(k, c0 + seg);
+        for (int64_t r = rb; r < re; r += kGemvR) {
+          const int rows = int(min64(kGemvR, re - r));
+          __m512* a = acc + (r - rb) * lda;
+          for (int64_t j0 = 0; j0 < m; j0 += gsize) {
+            const int M = int(min64(gsize, m - j0));
+            // the first x group decodes (and, with more groups, keeps the
+            // decoded rows in wbuf for the others)
+            const int mode = j0 == 0 ? (buffered ? W_STORE : W_DECODE) : W_LOAD;
+            if (rows == kGemvR) {
+              gemv_rows<kGemvR, TWO>(mode, M, H, g, r, j0, c0, c1, sc, b0, wbuf, seg, a + j0 * H, lda);
+            } else {
+              for (int i = 0; i < rows; ++i)
+                gemv_rows<1, TWO>(mode, M, H, g, r + i, j0, c0, c1, sc, b0, wbuf + i * seg, seg, a + i * lda + j0 * H,
+                                  lda);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < (re - rb) * m; ++i) {
+        __m512 v = acc[i * H];
+        if (H == 2) v = _mm512_add_ps(v, acc[i * H + 1]);
+        res[i] = _mm512_reduce_add_ps(v);
+      }
+      OutT* out = static_cast<OutT*>(p.out);
+      for (int64_t j = 0; j < m; ++j)
+        for (int64_t r = rb; r < re; ++r)
+          Elem<OutT>::store(out, j * n + r, res[(r - rb) * m + j] + load_bias_as<BiasT>(p.bias, r));
+    }
+  });
+}
+
+// ---------------------------------------------------------- tiled (m larger)
+
+constexpr int kPanel = 16;                // x rows per panel (one per fp32 lane)
+constexpr int64_t kTileN = 32;            // W rows per tile (half that when interleaved)
+constexpr int64_t kInterleavePanels = 2;  // interleave the decode with the dot products up to this many panels
+constexpr int64_t kTileK = 256;           // W columns per tile (128 pairs)
+constexpr int kMicroR = 8;                // W rows per register tile
+constexpr int kMicroQ = 3;                // panels per register tile
+
+// Decodes W rows [r0, r0 + rows) x columns [c0, c0 + len) into wt (row r at
+// wt + r * ldw dwords, chunk by chunk: 32 words hi, 32 words lo), one chunk
+// per step(), so that the decode of the next tile can run inside the
+// dot-product loop of the current one (where it costs a fraction of its cost
+// alone). sc[b - b0] = scale of block b.
+template <bool TWO>
+struct TileDecoder {
+  const uint8_t* packed;
+  int64_t k;
+  int shift;
+  __m512 codes;
+  const float* sc;
+  int64_t b0, r0, rows, c0, len;
+  uint32_t* wt;
+  int64_t ldw;
+  int64_t r = 0, c = 0;  // next chunk
+
+  bool done() const { return r >= rows; }
+  __attribute__((always_inline)) inline void step() {
+    const uint64_t f = uint64_t((r0 + r) * k + c0 + c);
+    const int64_t b = int64_t(f >> shift) - b0;
+    const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
+    const Chunk w = decode_chunk<TWO>(packed + (f >> 1), tab, upper_half_bit());
+    uint32_t* dst = wt + r * ldw + c / 2;
+    _mm512_store_si512(dst, w.hi);
+    _mm512_store_si512(dst + 16, w.lo);
+    c += kChunk;
+    if (c >= len) {
+      c = 0;
+      ++r;
+    }
+  }
+  void finish() {
+    while (!done()) step();
+  }
+};
+
+// acc[r][q] (at acc + (q * lda + r) * 16) += sum over t < steps of the pair
+// products of W row r (dwords w[r * ldw + t], broadcast) and panel q (x[q * ldx
+// + t * 16 .. + 16]). Every `every` steps (a power of two) one chunk of the
+// next tile is decoded by dec.
+template <int R, int Q, bool TWO, bool DEC>
+void micro_fwd(const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, int64_t steps, float* acc, int64_t lda,
+               TileDecoder<TWO>* dec, int64_t every) {
+  __m512 a[R][Q];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) a[r][q] = _mm512_load_ps(acc + (q * lda + r) * 16);
+  const int64_t mask = every - 1;
+  for (int64_t t = 0; t < steps; ++t) {
+    if (DEC && (t & mask) == 0 && !dec->done()) dec->step();
+    __m512i xv[Q];
+#pragma GCC unroll 4
+    for (int q = 0; q < Q; ++q) xv[q] = _mm512_load_si512(x + q * ldx + t * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i wv = _mm512_set1_epi32(int(w[r * ldw + t]));
+#pragma GCC unroll 4
+      for (int q = 0; q < Q; ++q) a[r][q] = dot(a[r][q], xv[q], wv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < Q; ++q) _mm512_store_ps(acc + (q * lda + r) * 16, a[r][q]);
+}
+
+template <int Q, bool TWO, bool DEC>
+void micro_fwd_r(int R, const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, int64_t steps, float* acc,
+                 int64_t lda, TileDecoder<TWO>* dec, int64_t every) {
+  switch (R) {
+    case 8:
+      return micro_fwd<8, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    case 7:
+      return micro_fwd<7, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    case 6:
+      return micro_fwd<6, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    case 5:
+      return micro_fwd<5, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    case 4:
+      return micro_fwd<4, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    case 3:
+      return micro_fwd<3, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    case 2:
+      return micro_fwd<2, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    default:
+      return micro_fwd<1, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+  }
+}
+
+template <bool TWO, bool DEC>
+void micro_fwd_any(int R, int Q, const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, int64_t steps,
+                   float* acc, int64_t lda, TileDecoder<TWO>* dec, int64_t every) {
+  if (Q == 3) return micro_fwd_r<3, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
+  if (Q == 2) return micro_fwd_r<2, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
+  micro_fwd_r<1, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
+}
+
+// x [m, k] bf16 -> panels xp[panel][k/2][16] (dword t of row l of a panel at
+// xp[(panel * k/2 + t) * 16 + l]), t indexing the deinterleaved pairs; rows
+// past m are zero.
+void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
+  const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
+  parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
+    const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
+      __m512i e[16], o[16];
+      for (int l = 0; l < kPanel; ++l) {
+        const int64_t row = panel * kPanel + l;
+        if (row < m) {
+          deinterleave64(x + row * k + c, ie, io, &e[l], &o[l]);
+        } else {
+          e[l] = o[l] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(e);
+      transpose16(o);
+      uint32_t* dst = xp + (panel * (k / 2) + c / 2) * kPanel;
+      for (int t = 0; t < 16; ++t) {
+        _mm512_store_si512(dst + t * 16, e[t]);
+        _mm512_store_si512(dst + (16 + t) * 16, o[t]);
+      }
+    }
+  });
+}
+
+template <typename OutT, typename BiasT, bool TWO>
+void tiled_path(const Gemm4bitParams& p, const BlockScales& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  const int64_t panels = ceil_div(m, kPanel);
+  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * k * 2 * kPanel);
+  pack_panels(static_cast<const uint16_t*>(p.x), m, k, xp);
+  const __m512 codes = code_table(p.quant_type);
+  // few panels: small W tiles, each decoded inside the previous one's dot
+  // products (two tiles and the x panels stay in L1); many panels: the decode
+  // is a small part, larger tiles decoded in place
+  const bool interleave = panels <= kInterleavePanels;
+  const int64_t tile_n = interleave ? kTileN / 2 : kTileN;
+  parallel_for(ceil_div(n, tile_n), 1, [&](int64_t t0, int64_t t1) {
+    float* acc = scratch_as<float>(kSlotAcc, panels * kTileN * 16 * 4);
+    // worker scratch: two decoded W tiles (the current one and the next; the
+    // second offset by 1 KiB + 64 B so that its stores do not alias the loads
+    // from the first modulo 4 KiB), then the tile rows' block scales
+    const int64_t tile_dwords = kTileN * kTileK / 2 + 272;
+    const int64_t sc_count = ((kTileN * k) >> shift) + 4;
+    uint32_t* wt0 = scratch_as<uint32_t>(kSlotRow, 2 * tile_dwords * 4 + sc_count * 4);
+    float* sc = reinterpret_cast<float*>(wt0 + 2 * tile_dwords);
+    const int64_t row_groups = ceil_div(tile_n, kMicroR), panel_groups = ceil_div(panels, kMicroQ);
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t r0 = tile * tile_n, rows = min64(tile_n, n - r0);
+      const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+      scales.decode(b0, b1, sc);
+      memset(acc, 0, size_t(panels * kTileN * 16) * sizeof(float));
+      auto decoder = [&](int64_t c0, uint32_t* wt) {
+        return TileDecoder<TWO>{p.packed, k, shift, codes, sc, b0, r0, rows, c0, min64(kTileK, k - c0), wt, kTileK / 2};
+      };
+      if (interleave) {
+        TileDecoder<TWO> first = decoder(0, wt0);
+        first.finish();
+      }
+      for (int64_t c0 = 0, i = 0; c0 < k; c0 += kTileK, ++i) {
+        const int64_t len = min64(kTileK, k - c0);
+        uint32_t* wt = wt0 + (interleave ? (i & 1) * tile_dwords : 0);
+        // interleaved: the next W tile is decoded inside this one's dot products
+        TileDecoder<TWO> next = decoder(c0 + kTileK, wt0 + ((i + 1) & 1) * tile_dwords);
+        if (!interleave) {
+          TileDecoder<TWO> now = decoder(c0, wt);
+          now.finish();
+        }
+        if (!interleave || c0 + kTileK >= k) next.rows = 0;
+        const int64_t steps = panel_groups * row_groups * (len / 2);
+        const int64_t chunks = max64(1, next.rows * (next.len / kChunk));
+        int64_t every = 1;
+        while (every * 2 <= steps / chunks) every *= 2;
+        for (int64_t q0 = 0; q0 < panels; q0 += kMicroQ) {
+          const int Q = int(min64(kMicroQ, panels - q0));
+          const uint32_t* xq = xp + (q0 * (k / 2) + c0 / 2) * kPanel;
+          for (int64_t rg = 0; rg < rows; rg += kMicroR) {
+            const int R = int(min64(kMicroR, rows - rg));
+            if (interleave)
+              micro_fwd_any<TWO, true>(R, Q, wt + rg * (kTileK / 2), kTileK / 2, xq, (k / 2) * kPanel, len / 2,
+                                       acc + (q0 * kTileN + rg) * 16, kTileN, &next, every);
+            else
+              micro_fwd_any<TWO, false>(R, Q, wt + rg * (kTileK / 2), kTileK / 2, xq, (k / 2) * kPanel, len / 2,
+                                        acc + (q0 * kTileN + rg) * 16, kTileN, &next, every);
+          }
+        }
+        next.finish();
+      }
+      // store: acc[(panel * kTileN + r) * 16 + lane] -> out[panel * 16 + lane][r0 + r]
+      OutT* out = static_cast<OutT*>(p.out);
+      for (int64_t rs = 0; rs < rows; rs += 16) {
+        const int cols = int(min64(16, rows - rs));
+        alignas(64) float bias[16] = {};
+        for (int i = 0; i < cols; ++i) bias[i] = load_bias_as<BiasT>(p.bias, r0 + rs + i);
+        const __m512 bv = _mm512_load_ps(bias);
+        for (int64_t pn = 0; pn < panels; ++pn) {
+          __m512i v[16];
+          for (int i = 0; i < 16; ++i)
+            v[i] = i < cols ? _mm512_load_si512(acc + (pn * kTileN + rs + i) * 16) : _mm512_setzero_si512();
+          transpose16(v);
+          const int lanes = int(min64(16, m - pn * kPanel));
+          for (int l = 0; l < lanes; ++l)
+            store16<OutT>(out + (pn * kPanel + l) * n + r0 + rs, _mm512_add_ps(_mm512_castsi512_ps(v[l]), bv), cols);
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------ input gradient
+
+constexpr int64_t kStrip = 64;      // dX columns per strip (4 zmm of 16)
+constexpr int64_t kGradN = 256;     // W rows per decoded tile (128 pairs)
+constexpr int kGradR = 6;           // dY rows per register tile
+constexpr int64_t kGradFusedM = 4;  // up to this many dY rows: W pairs decoded into registers, no tile
+
+// acc[r][q] (at acc + r * lda + q * 16) += sum over pairs t < steps of
+// W pair tile w[t * 64 + q * 16 ..] times the broadcast dY pair of row r (dword
+// t of dy + r * ldy). H = 2: even and odd t in separate accumulators, summed
+// at the end (few dY rows: hides the vdpbf16ps latency).
+template <int R, int H>
+void micro_grad(const uint32_t* w, const uint32_t* dy, int64_t ldy, int64_t steps, float* acc, int64_t lda) {
+  __m512 a[H][R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) {
+      a[0][r][q] = _mm512_load_ps(acc + r * lda + q * 16);
+      if (H == 2) a[H - 1][r][q] = _mm512_setzero_ps();
+    }
+  int64_t t = 0;
+  for (; t + H <= steps; t += H) {
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      const uint32_t* wt = w + (t + h) * 64;
+      const __m512i w0 = _mm512_load_si512(wt), w1 = _mm512_load_si512(wt + 16);
+      const __m512i w2 = _mm512_load_si512(wt + 32), w3 = _mm512_load_si512(wt + 48);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i d = _mm512_set1_epi32(int(dy[r * ldy + t + h]));
+        a[h][r][0] = dot(a[h][r][0], w0, d);
+        a[h][r][1] = dot(a[h][r][1], w1, d);
+        a[h][r][2] = dot(a[h][r][2], w2, d);
+        a[h][r][3] = dot(a[h][r][3], w3, d);
+      }
+    }
+  }
+  for (; t < steps; ++t) {
+    const uint32_t* wt = w + t * 64;
+    for (int r = 0; r < R; ++r) {
+      const __m512i d = _mm512_set1_epi32(int(dy[r * ldy + t]));
+      for (int q = 0; q < 4; ++q) a[0][r][q] = dot(a[0][r][q], _mm512_load_si512(wt + q * 16), d);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) {
+      __m512 v = a[0][r][q];
+      if (H == 2) v = _mm512_add_ps(v, a[H - 1][r][q]);
+      _mm512_store_ps(acc + r * lda + q * 16, v);
+    }
+}
+
+void micro_grad_any(int R, const uint32_t* w, const uint32_t* dy, int64_t ldy, int64_t steps, float* acc, int64_t lda) {
+  switch (R) {
+    case 6:
+      return micro_grad<6, 1>(w, dy, ldy, steps, acc, lda);
+    case 5:
+      return micro_grad<5, 1>(w, dy, ldy, steps, acc, lda);
+    case 4:
+      return micro_grad<4, 1>(w, dy, ldy, steps, acc, lda);
+    case 3:
+      return micro_grad<3, 1>(w, dy, ldy, steps, acc, lda);
+    case 2:
+      return micro_grad<2, 2>(w, dy, ldy, steps, acc, lda);
+    default:
+      return micro_grad<1, 2>(w, dy, ldy, steps, acc, lda);
+  }
+}
+
+// Word indices interleaving two rows' deinterleaved halves: word 2i = a[i0 +
+// i], word 2i + 1 = b[i0 + i] (b's words are 32..63 of vpermt2w's table).
+inline __m512i pair_index(int i0) {
+  alignas(64) uint16_t idx[32];
+  for (int i = 0; i < 16; ++i) {
+    idx[2 * i] = uint16_t(i0 + i);
+    idx[2 * i + 1] = uint16_t(32 + i0 + i);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Dword indices interleaving two fp32 vectors: lane 2i = a[i0 + i], 2i + 1 =
+// b[i0 + i].
+inline __m512i lane_pair_index(int i0) {
+  alignas(64) int32_t idx[16];
+  for (int i = 0; i < 8; ++i) {
+    idx[2 * i] = i0 + i;
+    idx[2 * i + 1] = 16 + i0 + i;
+  }
+  return _mm512_load_si512(idx);
+}
+
+// W rows (ra, ra + 1) x the strip's 64 columns starting at flat index fa
+// (row ra + 1 at fa + k; zeros when has_b is false) as 4 vectors of 16
+// columns x the 2 rows: columns 0,2,..,30 | 32,..,62 | 1,..,31 | 33,..,63.
+template <bool TWO>
+inline void decode_pair(const uint8_t* __restrict packed, const float* __restrict sc, __m512 codes, int shift,
+                        uint64_t fa, int64_t k, bool has_b, __m512i half, __m512i i_lo, __m512i i_hi, __m512i z[4]) {
+  const uint64_t fb = fa + uint64_t(k);
+  const int64_t ba = int64_t(fa >> shift), bb = int64_t(fb >> shift);
+  const __m512i ta = chunk_table<TWO>(codes, sc[ba], TWO ? sc[ba + 1] : 0.0f);
+  const Chunk a = decode_chunk<TWO>(packed + (fa >> 1), ta, half);
+  Chunk b{_mm512_setzero_si512(), _mm512_setzero_si512()};
+  if (has_b) {
+    const __m512i tb = chunk_table<TWO>(codes, sc[bb], TWO ? sc[bb + 1] : 0.0f);
+    b = decode_chunk<TWO>(packed + (fb >> 1), tb, half);
+  }
+  z[0] = _mm512_permutex2var_epi16(a.hi, i_lo, b.hi);
+  z[1] = _mm512_permutex2var_epi16(a.hi, i_hi, b.hi);
+  z[2] = _mm512_permutex2var_epi16(a.lo, i_lo, b.lo);
+  z[3] = _mm512_permutex2var_epi16(a.lo, i_hi, b.lo);
+}
+
+// Few dY rows (R <= 4, all of them): each pair of W rows is decoded into
+// registers and used at once (no tile buffer); acc as in micro_grad, H = 2:
+// even and odd pairs in separate accumulators.
+template <int R, int H, bool TWO>
+void grad_fused(const uint8_t* packed, const float* sc, __m512 codes, int shift, int64_t n, int64_t k, int64_t n0,
+                int64_t pairs, int64_t c0, const uint32_t* dy, int64_t ldy, float* acc) {
+  const __m512i half = upper_half_bit();
+  const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
+  __m512 a[H][R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) {
+      a[0][r][q] = _mm512_load_ps(acc + r * kStrip + q * 16);
+      if (H == 2) a[H - 1][r][q] = _mm512_setzero_ps();
+    }
+  for (int64_t t0 = 0; t0 < pairs; t0 += H) {
+#pragma GCC unroll 2
+    for (int h = 0; h < H; ++h) {
+      const int64_t t = t0 + h;
+      if (H == 2 && t >= pairs) break;
+      __m512i z[4];
+      decode_pair<TWO>(packed, sc, codes, shift, uint64_t((n0 + 2 * t) * k + c0), k, n0 + 2 * t + 1 < n, half, i_lo,
+                       i_hi, z);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i d = _mm512_set1_epi32(int(dy[r * ldy + n0 / 2 + t]));
+        for (int q = 0; q < 4; ++q) a[h][r][q] = dot(a[h][r][q], z[q], d);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) {
+      __m512 v = a[0][r][q];
+      if (H == 2) v = _mm512_add_ps(v, a[H - 1][r][q]);
+      _mm512_store_ps(acc + r * kStrip + q * 16, v);
+    }
+}
+
+template <bool TWO>
+void grad_fused_any(int R, const uint8_t* packed, const float* sc, __m512 codes, int shift, int64_t n, int64_t k,
+                    int64_t n0, int64_t pairs, int64_t c0, const uint32_t* dy, int64_t ldy, float* acc) {
+  switch (R) {
+    case 4:
+      return grad_fused<4, 1, TWO>(packed, sc, codes, shift, n, k, n0, pairs, c0, dy, ldy, acc);
+    case 3:
+      return grad_fused<3, 1, TWO>(packed, sc, codes, shift, n, k, n0, pairs, c0, dy, ldy, acc);
+    case 2:
+      return grad_fused<2, 2, TWO>(packed, sc, codes, shift, n, k, n0, pairs, c0, dy, ldy, acc);
+    default:
+      return grad_fused<1, 2, TWO>(packed, sc, codes, shift, n, k, n0, pairs, c0, dy, ldy, acc);
+  }
+}
+
+template <typename OutT, bool TWO>
+void grad_path(const Gemm4bitGradInputParams& p, const BlockScales& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  // dY with an even row length (pairs of n), zero-padded when n is odd
+  const int64_t ldy = (n + 1) / 2;  // in dwords
+  const uint32_t* dy = static_cast<const uint32_t*>(p.grad_out);
+  if (n & 1) {
+    uint16_t* pad = scratch_as<uint16_t>(kSlotInput, m * ldy * 4);
+    const uint16_t* src = static_cast<const uint16_t*>(p.grad_out);
+    for (int64_t r = 0; r < m; ++r) {
+      memcpy(pad + r * 2 * ldy, src + r * n, size_t(n) * 2);
+      pad[r * 2 * ldy + n] = 0;
+    }
+    dy = reinterpret_cast<const uint32_t*>(pad);
+  } else if (reinterpret_cast<uintptr_t>(dy) % 4 != 0) {
+    uint16_t* copy = scratch_as<uint16_t>(kSlotInput, m * n * 2);
+    memcpy(copy, p.grad_out, size_t(m * n) * 2);
+    dy = reinterpret_cast<const uint32_t*>(copy);
+  }
+  // every block scale, decoded once (the strips read them with stride k)
+  const int64_t n_blocks = ceil_div(n * k, p.blocksize);
+  float* sc_all = scratch_as<float>(kSlotPanels, n_blocks * 4);
+  parallel_for(ceil_div(n_blocks, 4096), 1, [&](int64_t u0, int64_t u1) {
+    scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
+  });
+  const __m512 codes = code_table(p.quant_type);
+  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) {
+    const __m512i half = upper_half_bit();
+    const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
+    float* acc = scratch_as<float>(kSlotAcc, m * kStrip * 4);
+    uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kGradN * kStrip * 2);
+    const uint8_t* __restrict packed = p.packed;
+    const float* __restrict sc = sc_all;
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t c0 = s * kStrip;
+      memset(acc, 0, size_t(m * kStrip) * sizeof(float));
+      if (m <= kGradFusedM)
+        grad_fused_any<TWO>(int(m), packed, sc, codes, shift, n, k, 0, (n + 1) / 2, c0, dy, ldy, acc);
+      for (int64_t n0 = 0; n0 < n && m > kGradFusedM; n0 += kGradN) {
+        const int64_t rows = min64(kGradN, n - n0), pairs = (rows + 1) / 2;
+        // the strip's chunk of row r starts at flat index r*k + c0
+        for (int64_t t = 0; t < pairs; ++t) {
+          __m512i z[4];
+          decode_pair<TWO>(packed, sc, codes, shift, uint64_t((n0 + 2 * t) * k + c0), k, n0 + 2 * t + 1 < n, half, i_lo,
+                           i_hi, z);
+          for (int q = 0; q < 4; ++q) _mm512_store_si512(wt + t * 64 + q * 16, z[q]);
+        }
+        for (int64_t r = 0; r < m; r += kGradR) {
+          const int R = int(min64(kGradR, m - r));
+          micro_grad_any(R, wt, dy + r * ldy + n0 / 2, ldy, pairs, acc + r * kStrip, kStrip);
+        }
+      }
+      // store, undoing the column order
+      const __m512i l_lo = lane_pair_index(0), l_hi = lane_pair_index(8);
+      OutT* out = static_cast<OutT*>(p.grad_input);
+      for (int64_t r = 0; r < m; ++r) {
+        const float* a = acc + r * kStrip;
+        const __m512 e0 = _mm512_load_ps(a), e1 = _mm512_load_ps(a + 16);
+        const __m512 o0 = _mm512_load_ps(a + 32), o1 = _mm512_load_ps(a + 48);
+        OutT* dst = out + r * k + c0;
+        store16<OutT>(dst, _mm512_permutex2var_ps(e0, l_lo, o0), 16);
+        store16<OutT>(dst + 16, _mm512_permutex2var_ps(e0, l_hi, o0), 16);
+        store16<OutT>(dst + 32, _mm512_permutex2var_ps(e1, l_lo, o1), 16);
+        store16<OutT>(dst + 48, _mm512_permutex2var_ps(e1, l_hi, o1), 16);
+      }
+    }
+  });
+}
+
+template <typename F>
+void with_out_type(DType dt, F&& f) {
+  if (dt == kF32) return f(static_cast<float*>(nullptr));
+  if (dt == kBF16) return f(static_cast<bf16_t*>(nullptr));
+  f(static_cast<f16_t*>(nullptr));
+}
+
+template <typename OutT, typename BiasT>
+void gemm_typed(const Gemm4bitParams& p, const BlockScales& scales) {
+  const bool two = p.blocksize == 32;
+  if (p.m <= kGemvMaxM) {
+    if (two) return gemv_path<OutT, BiasT, true>(p, scales);
+    return gemv_path<OutT, BiasT, false>(p, scales);
+  }
+  if (two) return tiled_path<OutT, BiasT, true>(p, scales);
+  tiled_path<OutT, BiasT, false>(p, scales);
+}
+
+}  // namespace
+
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
+  if (p.x_dtype != kBF16 || p.k % kChunk != 0) return false;
+  if (reinterpret_cast<uintptr_t>(p.x) % 2 != 0) return false;
+  const BlockScales scales(p.scales);
+  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
+  with_out_type(p.out_dtype, [&](auto* o) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) {
+      using BiasT = std::remove_pointer_t<decltype(b)>;
+      gemm_typed<OutT, BiasT>(p, scales);
+    });
+  });
+  return true;
+}
+
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
+  if (p.grad_out_dtype != kBF16 || p.k % kChunk != 0) return false;
+  if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
+  const BlockScales scales(p.scales);
+  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  with_out_type(p.grad_input_dtype, [&](auto* o) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    if (p.blocksize == 32) return grad_path<OutT, true>(p, scales);
+    grad_path<OutT, false>(p, scales);
+  });
+  return true;
+}
 
 }  // namespace avx512_bf16
 }  // namespace cpu
 }  // namespace q4
+
+#pragma GCC diagnostic pop
+
+#else  // not x86: no AVX512_BF16 kernels
+
+namespace q4 {
+namespace cpu {
+namespace avx512_bf16 {
+bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
+bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
+}  // namespace avx512_bf16
+}  // namespace cpu
+}  // namespace q4
+
+#endif

@@ -2,7 +2,7 @@
 JAX op) beside bitsandbytes 0.50.2 in one process, with the machine's copy
 bandwidth as the floor.
 
-    .venv/bin/python -m q4.bench.kernels      # or: q4 bench kernels
+    Q4_LIBRARY=build/<dir>/libq4.so PYTHONPATH=. .venv/bin/python benchmarks/run.py kernels
 
 Columns: median ms over repeats. "raw kernel" calls the C ABI with
 preallocated outputs; the PyTorch and JAX paths allocate their outputs as a
@@ -15,8 +15,7 @@ bandwidth counts bytes read + written per second (STREAM convention).
 from __future__ import annotations
 
 import numpy as np
-
-from q4.bench._common import machine, median_ms, print_table, write_json
+from common import median_ms, print_header, print_table, write_json
 
 N = 4096
 
@@ -38,6 +37,7 @@ def main() -> dict:
     import q4torch.functional as F
     from q4._src import kernels as K
 
+    head = print_header("kernels: quantize / dequantize of a 4096x4096 weight")
     rng = np.random.default_rng(0)
     w = rng.standard_normal((N, N)).astype(np.float32)
     n = w.size
@@ -70,13 +70,15 @@ def main() -> dict:
         sj_d = q4jax.QuantState(sj.absmax, None, None, "nf4", 64, (N, N), dtype)
         dj = jax.jit(q4jax.dequantize_4bit)
         raw = median_ms(
-            lambda: K.dequantize_4bit_ptr(packed.ctypes.data, absmax.ctypes.data, n, 64, 0, out.data_ptr(), code)
+            lambda out=out, code=code: K.dequantize_4bit_ptr(
+                packed.ctypes.data, absmax.ctypes.data, n, 64, 0, out.data_ptr(), code
+            )
         )
         results[f"dequantize nf4 -> {dtype}"] = {
             "raw kernel": raw,
             "q4 PyTorch": median_ms(lambda: F.dequantize_4bit(pt, st)),
-            "q4 PyTorch (reused out)": median_ms(lambda: F.dequantize_4bit(pt, st, out=out)),
-            "q4 JAX (jit)": median_ms(lambda: jax.block_until_ready(dj(pj, sj_d))),
+            "q4 PyTorch (reused out)": median_ms(lambda out=out: F.dequantize_4bit(pt, st, out=out)),
+            "q4 JAX (jit)": median_ms(lambda dj=dj, sj_d=sj_d: jax.block_until_ready(dj(pj, sj_d))),
             "bitsandbytes": median_ms(lambda: bnbf.dequantize_4bit(bp, bst), repeat=5),
             "floor": floor_write_ms[dtype],
         }
@@ -101,13 +103,9 @@ def main() -> dict:
         r["PyTorch / raw"] = r.get("q4 PyTorch (reused out)", r["q4 PyTorch"]) / r["raw kernel"]
         r["JAX / raw"] = r["q4 JAX (jit)"] / r["raw kernel"]
         rows.append([op] + [r.get(h, "-") for h in header[1:]])
-    m = machine()
-    print(
-        f"machine: {m['cpu']}, {m['cores']} cores; q4 path {m['q4_isa']}, {m['q4_threads']} threads; "
-        f"copy bandwidth {bw:.1f} GB/s (read+write)"
-    )
+    print(f"copy bandwidth {bw:.1f} GB/s (read + write, numpy copy of 64 MiB)")
     print_table("median ms (lower is better); ratios > 1 mean the first is slower", header, rows)
-    record = {"machine": m, "copy_bandwidth_gbs": bw, "results": results}
+    record = {**head, "copy_bandwidth_gbs": bw, "results": results}
     path = write_json("kernels", record)
     print(f"\nJSON: {path}")
     return record

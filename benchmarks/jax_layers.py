@@ -3,14 +3,16 @@ dequantize + dot, qwix 0.1.8 (NF4 weight-only PTQ, tile_size=64) and XLA's
 dense fp32, 4096x4096, under jit; plus XLA's memory analysis of a 4-layer
 remat training step (no dequantized weight kept alive for backward).
 
-    .venv/bin/python -m q4.bench.jax_layers      (qwix: pip install qwix==0.1.8)
+    Q4_LIBRARY=build/<dir>/libq4.so PYTHONPATH=. .venv/bin/python benchmarks/run.py jax
+    (qwix: .venv/bin/pip install qwix==0.1.8)
 """
 
 from __future__ import annotations
 
-import numpy as np
+import functools
 
-from q4.bench._common import machine, median_ms, print_table, write_json
+import numpy as np
+from common import median_ms, print_header, print_table, write_json
 
 N = K = 4096
 
@@ -25,27 +27,30 @@ def main() -> dict:
     import q4torch
     import q4torch.functional as F
 
+    head = print_header("jax: q4jax 4-bit layer beside q4torch, jnp, qwix and XLA dense, 4096x4096 fp32")
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
     packed, state = q4jax.quantize_4bit(jnp.asarray(w), 64, "nf4", True)
     pt, st = F.quantize_4bit(torch.from_numpy(w), blocksize=64, quant_type="nf4", compress_statistics=True)
     wt = jnp.asarray(w.T.copy())  # [K, N]: XLA's best layout for x @ W^T
 
-    fwd_q4 = jax.jit(lambda x: q4jax.matmul_4bit(x, packed, state))
-    fwd_jnp = jax.jit(lambda x: x @ q4jax.dequantize_4bit(packed, state).T)
-    fwd_dense = jax.jit(lambda x: x @ wt)
-    step_q4 = jax.jit(jax.grad(lambda x: q4jax.matmul_4bit(x, packed, state).sum()))
+    # weights are jit arguments, not closure constants (XLA would fold them into the program)
+    fwd_q4 = functools.partial(jax.jit(lambda x, p, s: q4jax.matmul_4bit(x, p, s)), p=packed, s=state)
+    fwd_jnp = functools.partial(jax.jit(lambda x, p, s: x @ q4jax.dequantize_4bit(p, s).T), p=packed, s=state)
+    fwd_dense = functools.partial(jax.jit(lambda x, w: x @ w), w=wt)
+    step_q4 = functools.partial(jax.jit(jax.grad(lambda x, p, s: q4jax.matmul_4bit(x, p, s).sum())), p=packed, s=state)
     try:
         import qwix
 
-        lin = nnx.Linear(K, N, use_bias=False, rngs=nnx.Rngs(0))
-        lin.kernel.value = wt
+        lin = nnx.Linear(K, N, use_bias=False, kernel_init=lambda key, shape, dtype: wt, rngs=nnx.Rngs(0))
         qmodel = qwix.quantize_model(
             lin, qwix.PtqProvider([qwix.QtRule(module_path=".*", weight_qtype="nf4", tile_size=64)]), jnp.ones((1, K))
         )
-        fwd_qwix = nnx.jit(lambda m, x: m(x))
-    except ImportError:
+        graph, qstate = nnx.split(qmodel)
+        fwd_qwix = functools.partial(jax.jit(lambda x, st: nnx.merge(graph, st)(x)), st=qstate)
+    except ImportError as e:
         qmodel = None
+        print(f"qwix not run: {e} (.venv/bin/pip install qwix==0.1.8)")
 
     results = {}
     for m in (1, 32):
@@ -59,7 +64,7 @@ def main() -> dict:
             "q4jax train step (dX)": median_ms(lambda x=x: jax.block_until_ready(step_q4(x))),
         }
         if qmodel is not None:
-            r["qwix 0.1.8 nf4"] = median_ms(lambda x=x: jax.block_until_ready(fwd_qwix(qmodel, x)), repeat=5)
+            r["qwix 0.1.8 nf4"] = median_ms(lambda x=x: jax.block_until_ready(fwd_qwix(x)), repeat=5)
             r["qwix / q4jax"] = r["qwix 0.1.8 nf4"] / r["q4jax matmul_4bit"]
         r["q4jax / q4torch"] = r["q4jax matmul_4bit"] / r["q4torch matmul_4bit"]
         r["XLA dense / q4jax"] = r["XLA dense fp32"] / r["q4jax matmul_4bit"]
@@ -86,8 +91,6 @@ def main() -> dict:
         analysis = jax.jit(jax.grad(loss), static_argnums=1).lower(x, mm).compile().memory_analysis()
         mem[name] = {"temp MiB": analysis.temp_size_in_bytes / 2**20}
     dequantized_layer_mib = 1024 * 1024 * 4 / 2**20
-    info = machine()
-    print(f"machine: {info['cpu']}, {info['cores']} cores; q4 path {info['q4_isa']}, {info['q4_threads']} threads")
     for name, r in results.items():
         print_table(f"{name} (median ms)", ["measure", "value"], [[k, v] for k, v in r.items()])
     print_table(
@@ -95,7 +98,7 @@ def main() -> dict:
         ["path", "XLA temp MiB"],
         [[k, v["temp MiB"]] for k, v in mem.items()],
     )
-    record = {"machine": info, "results": results, "memory": mem}
+    record = {**head, "results": results, "memory": mem}
     print(f"\nJSON: {write_json('jax_layers', record)}")
     return record
 

@@ -1,0 +1,105 @@
+"""Quantized layers beside bitsandbytes 0.50.2 and dense torch, 4096x4096 with
+bias, fp32 inputs: forward at batch 1 and 32 and a training step (forward +
+backward to the input, frozen weight), in one process.
+
+    Q4_LIBRARY=build/<dir>/libq4.so PYTHONPATH=. .venv/bin/python benchmarks/run.py layers
+
+Forward: every layer in eval() under torch.inference_mode() (a user's
+inference; bitsandbytes' Linear4bit then takes its fused AVX512-BF16 kernel
+where the CPU has one, computing in bf16). Training step: train() mode, the
+input requires grad. bitsandbytes repacks a Linear4bit's weight in place on
+its first eval forward, after which a train-mode forward fails, so its
+training step runs on a second layer that never ran in eval.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from common import interleaved, print_header, print_table, write_json
+
+N = K = 4096
+BATCHES = (1, 32)
+
+
+def main() -> dict:
+    import bitsandbytes as bnb
+    import torch
+
+    import q4torch.nn as qnn
+
+    # bitsandbytes logs on every fp32 Linear8bitLt call that it rounds the input to fp16 (said once below)
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    head = print_header("layers: Linear4bit / Linear8bitLt forward and training step, 4096x4096, fp32 input")
+    torch.manual_seed(0)
+    w = torch.randn(N, K) * 0.02
+    b = torch.randn(N) * 0.1
+
+    def build(cls, **kw):
+        layer = cls(K, N, bias=True, **kw)
+        layer.weight.data = w.clone()
+        layer.bias.data = b.clone()
+        return layer.to("cpu")
+
+    kinds = {
+        "Linear4bit nf4": (qnn.Linear4bit, bnb.nn.Linear4bit, {"quant_type": "nf4", "compute_dtype": torch.float32}),
+        "Linear8bitLt t=6": (qnn.Linear8bitLt, bnb.nn.Linear8bitLt, {"has_fp16_weights": False, "threshold": 6.0}),
+    }
+    dense = torch.nn.Linear(K, N)
+    dense.weight.data = w.clone()
+    dense.bias.data = b.clone()
+    dense.weight.requires_grad_(False)  # a frozen base, like the quantized ones: train step = dX and dbias
+
+    def forward(layer, x):
+        return lambda: layer(x)
+
+    def train_step(layer, x):
+        xg = x.clone().requires_grad_()
+        return lambda: torch.autograd.grad(layer(xg).sum(), xg)[0]
+
+    results = {}
+    for name, (ours_cls, theirs_cls, kw) in kinds.items():
+        ours = build(ours_cls, **kw)
+        theirs_eval, theirs_train = build(theirs_cls, **kw).eval(), build(theirs_cls, **kw).train()
+        for m in (1, 32):
+            x = torch.randn(m, K)
+            ours.eval()
+            dense.eval()
+            with torch.inference_mode():
+                fwd = interleaved(
+                    {
+                        "q4 forward": forward(ours, x),
+                        "bitsandbytes forward": forward(theirs_eval, x),
+                        "dense fp32 forward": forward(dense, x),
+                    }
+                )
+            ours.train()
+            dense.train()
+            step = interleaved(
+                {
+                    "q4 train step": train_step(ours, x),
+                    "bitsandbytes train step": train_step(theirs_train, x),
+                    "dense fp32 train step": train_step(dense, x),
+                },
+                rounds=7,
+            )
+            r = {k: v["median_ms"] for k, v in {**fwd, **step}.items()}
+            r["bnb / q4 forward"] = r["bitsandbytes forward"] / r["q4 forward"]
+            r["dense / q4 forward"] = r["dense fp32 forward"] / r["q4 forward"]
+            r["bnb / q4 train"] = r["bitsandbytes train step"] / r["q4 train step"]
+            r["dense / q4 train"] = r["dense fp32 train step"] / r["q4 train step"]
+            results[f"{name}, batch {m}"] = r
+    print("note: bitsandbytes' Linear8bitLt rounds fp32 inputs to fp16 before its int8 quantization (its warning)")
+    header = ["layer"] + list(next(iter(results.values())))
+    print_table(
+        "median ms (interleaved rounds); ratios > 1 mean q4 is faster",
+        header,
+        [[k, *v.values()] for k, v in results.items()],
+    )
+    record = {**head, "results": results}
+    print(f"\nJSON: {write_json('layers', record)}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

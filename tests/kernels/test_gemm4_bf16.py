@@ -1,0 +1,302 @@
+"""bf16-compute fused 4-bit matmuls (the avx512_bf16 kernels), through q4's
+numpy API, against an fp64 oracle of their contract.
+
+The contract (kernels/cpu/x86/avx512_bf16/gemm4.cc): each W element is its
+fp32 value decode(nibble) * scale(block) -- what dequantize_4bit returns --
+rounded once to bf16 (round to nearest even); products of the bf16 input and
+bf16 W are summed in fp32; the bias is added in fp32; the sum is rounded once
+to the output dtype. The oracle below is written from that definition and
+tests/reference/oracle.py's dequantize, not from the kernels.
+
+Error bound, derived: every product of two bf16 values is exact in fp32 (8 + 8
+significand bits), so the fp32 result is a sum of L exact terms (L = the
+reduction length, plus the bias) in some order, at most L - 1 roundings on
+any path: |acc - exact| <= gamma_L * sum|terms|, gamma_L = L u / (1 - L u),
+u = 2^-24; (L + 2) u covers gamma_L for every L used here. vdpbf16ps treats
+denormal inputs as zero and flushes denormal results, which moves each of at
+most L + 2 operations by less than 2^-126: an absolute (L + 2) * 2^-126. The
+final rounding to the output dtype adds at most u_out * |acc| (u_out = 2^-8
+for bf16, 2^-11 for fp16, 0 for fp32, as acc is already fp32).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from reference import oracle
+
+import q4
+
+BF16 = ml_dtypes.bfloat16
+U32 = 2.0**-24
+TINY = 2.0**-126
+UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+NP_DTYPE = {"float32": np.float32, "bfloat16": BF16, "float16": np.float16}
+KERNEL_FWD, KERNEL_GRAD = "avx512_bf16.gemm4", "avx512_bf16.grad4"
+
+pytestmark = pytest.mark.skipif(
+    not q4.cpu_has_avx512_bf16(), reason="not run: the processor lacks avx512_bf16 (AVX512_BF16 + AVX512_VNNI)"
+)
+
+
+@pytest.fixture(autouse=True)
+def bf16_level():
+    """Run every test on the avx512_bf16 level (whatever Q4_ISA says), all threads."""
+    before = q4.cpu_isa()
+    q4.set_cpu_isa("avx512_bf16")
+    yield
+    q4.set_cpu_isa(before)
+    q4.set_num_threads(0)
+
+
+def last_kernels() -> dict:
+    return q4.cpu_features()["last_kernel"]
+
+
+def make_weight(rng, n, k, blocksize, quant_type, nested, scale=1.0):
+    """(packed, q4.QuantState, W as fp32 from the oracle's dequantize)."""
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
+    if nested:
+        codes, absmax2, offset = q4.quantize_nested(absmax)
+        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", codes, absmax2, offset)
+        # the format's code book (a constant), decoded by the oracle's arithmetic
+        absmax = oracle.dequantize_blockwise(codes, absmax2, 256, code=q4.code_table("dynamic"), offset=offset)
+    else:
+        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
+    w32 = oracle.dequantize_4bit(packed.reshape(-1), absmax, n * k, blocksize, quant_type).reshape(n, k)
+    return packed, state, w32
+
+
+def bf16_exact(a) -> np.ndarray:
+    """fp32 values rounded once to bf16 (nearest even), as fp64."""
+    return np.asarray(a, np.float32).astype(BF16).astype(np.float64)
+
+
+def check(got, a64, b64, length, out_dtype, bias=None, what=""):
+    """got ~ a64 @ b64 (+ bias) within the contract's bound (module docstring)."""
+    ref = a64 @ b64
+    mags = np.abs(a64) @ np.abs(b64)
+    if bias is not None:
+        bias64 = np.asarray(bias).astype(np.float64)
+        ref = ref + bias64
+        mags = mags + np.abs(bias64)
+    acc_bound = (length + 2) * (U32 * mags + TINY)
+    bound = acc_bound + UNIT_ROUNDOFF[out_dtype] * (np.abs(ref) + acc_bound)
+    got64 = np.asarray(got).astype(np.float64)
+    assert got64.shape == ref.shape, what
+    err = np.abs(got64 - ref)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = np.argwhere(bad)[0]
+        pytest.fail(
+            f"{what}: {int(bad.sum())} of {bad.size} outside the bound; at {tuple(i)} got {got64[tuple(i)]!r} "
+            f"want {ref[tuple(i)]!r} (bound {bound[tuple(i)]:.3e})"
+        )
+
+
+def forward(x, packed, state, w32, out_dtype, bias=None, what=""):
+    y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype)
+    assert y.dtype == NP_DTYPE[out_dtype]
+    assert last_kernels()["gemm_4bit"] == KERNEL_FWD, what
+    check(y, x.astype(np.float64), bf16_exact(w32).T, x.shape[1], out_dtype, bias, what)
+    return y
+
+
+def grad(g, packed, state, w32, out_dtype, what=""):
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype=out_dtype)
+    assert dx.dtype == NP_DTYPE[out_dtype]
+    assert last_kernels()["gemm_4bit_grad_input"] == KERNEL_GRAD, what
+    check(dx, g.astype(np.float64), bf16_exact(w32), g.shape[1], out_dtype, None, what)
+    return dx
+
+
+def bf16_input(rng, shape, scale=3.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
+
+
+# m covers the gemv path (m <= 18: one pass for m <= 4, else k segments with x
+# groups of <= 4 rows) and the tiled path (panels of 16 rows, partial panels;
+# m <= 32 decodes the next W tile inside the dot products); n and k are not
+# multiples of any tile size (but k % 64 == 0, the kernels' condition).
+BATCHES = (1, 2, 3, 5, 8, 17, 64, 130)
+FORMATS = [(qt, nested, bs) for qt in ("nf4", "fp4") for nested in (False, True) for bs in (32, 64, 256, 4096)]
+
+
+@pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_forward_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
+    n, k = 77, 320  # k % blocksize != 0 for 256 / 4096: blocks straddle rows
+    packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
+    for i, m in enumerate(BATCHES):
+        x = bf16_input(rng, (m, k))
+        bias = None
+        if i % 3 == 1:
+            bias = bf16_input(rng, (n,))
+        elif i % 3 == 2:
+            bias = (rng.standard_normal(n) * 3).astype(np.float32)
+        forward(
+            x, packed, state, w32, out_dtype, bias, what=f"forward m={m} bias={None if bias is None else bias.dtype}"
+        )
+
+
+@pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_grad_input_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
+    n, k = 77, 320  # n odd: the last pair of W rows is padded with zeros
+    packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
+    for m in BATCHES:
+        g = bf16_input(rng, (m, n))
+        grad(g, packed, state, w32, out_dtype, what=f"grad m={m}")
+
+
+@pytest.mark.parametrize(
+    "m, n, k, blocksize",
+    [
+        (1, 130, 4160, 64),  # one x row, k = 65 chunks
+        (8, 300, 1088, 32),  # gemv, two x groups, k split in segments (1024 + 64)
+        (16, 67, 2112, 128),  # gemv, four x groups
+        (29, 300, 1088, 64),  # tiled, two panels: the next W tile decoded inside the dot products
+        (130, 300, 1088, 64),  # tiled: partial row tile, partial k tile, panel groups 3 + 3 + 3
+        (40, 129, 576, 4096),  # tiled, one partial panel group
+        (33, 5, 192, 32),  # tiled, fewer W rows than a register tile
+        (3, 1, 64, 64),  # one output column; grad: a single, padded pair of W rows
+        (130, 2, 64, 32),  # grad: more dY rows than a register tile, one pair
+    ],
+)
+def test_larger_shapes(rng, m, n, k, blocksize):
+    packed, state, w32 = make_weight(rng, n, k, blocksize, "nf4", True)
+    x = bf16_input(rng, (m, k))
+    bias = bf16_input(rng, (n,))
+    forward(x, packed, state, w32, "bfloat16", bias, what=f"forward {(m, n, k)}")
+    forward(x, packed, state, w32, "float32", None, what=f"forward {(m, n, k)} fp32 out")
+    g = bf16_input(rng, (m, n))
+    grad(g, packed, state, w32, "float32", what=f"grad {(m, n, k)}")
+    grad(g, packed, state, w32, "bfloat16", what=f"grad {(m, n, k)} bf16 out")
+
+
+def test_fp16_output(rng):
+    packed, state, w32 = make_weight(rng, 40, 192, 64, "nf4", False)
+    x = bf16_input(rng, (5, 192), scale=1.0)
+    forward(x, packed, state, w32, "float16", what="forward fp16 out")
+    g = bf16_input(rng, (70, 40), scale=1.0)
+    grad(g, packed, state, w32, "float16", what="grad fp16 out")
+
+
+def test_large_weight_values(rng):
+    """Scales far from 1: W up to ~1e30 and ~1e-30 (bf16 has fp32's range)."""
+    for scale in (1e30, 1e-30):
+        packed, state, w32 = make_weight(rng, 50, 128, 64, "fp4", False, scale=scale)
+        x = bf16_input(rng, (20, 128), scale=1.0)
+        forward(x, packed, state, w32, "float32", what=f"forward W scale {scale}")
+        grad(bf16_input(rng, (3, 50), scale=1.0), packed, state, w32, "float32", what=f"grad W scale {scale}")
+
+
+def test_exact_cases(rng):
+    """W = identity (codes +-1 times absmax 1, exact in bf16): y = x and dX = dY
+    exactly; a zero weight gives exact zeros."""
+    for quant_type in ("nf4", "fp4"):
+        for m in (1, 4, 7, 33):
+            k = 128
+            packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, quant_type)
+            state = q4.QuantState(quant_type, 64, (k, k), "float32", absmax)
+            x = bf16_input(rng, (m, k))
+            assert np.array_equal(q4.gemm_4bit(x, packed, state, out_dtype="float32"), x.astype(np.float32))
+            assert np.array_equal(q4.gemm_4bit(x, packed, state), x)
+            assert np.array_equal(q4.gemm_4bit_grad_input(x, packed, state), x)
+    packed, absmax = q4.quantize_4bit(np.zeros((48, 64), np.float32), 64, "nf4")
+    state = q4.QuantState("nf4", 64, (48, 64), "float32", absmax)
+    y = q4.gemm_4bit(bf16_input(rng, (20, 64)), packed, state, out_dtype="float32")
+    assert np.array_equal(y, np.zeros((20, 48), np.float32))
+
+
+def test_nan_and_inf_inputs_propagate(rng):
+    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", False)
+    for m in (3, 20):  # gemv and tiled
+        x = bf16_input(rng, (m, 128))
+        x[1, 5] = np.nan
+        x[2, 7] = np.inf
+        y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+        assert np.isnan(y[1]).all()
+        w_col = bf16_exact(w32)[:, 7]
+        assert np.array_equal(np.isnan(y[2]), w_col == 0)  # inf * 0 is NaN
+        assert np.array_equal(np.sign(y[2][w_col != 0]), np.sign(w_col[w_col != 0]))
+        assert np.isfinite(np.delete(y, [1, 2], axis=0)).all()
+        g = bf16_input(rng, (m, 40))
+        g[1, 3] = np.nan
+        dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+        assert np.isnan(dx[1]).all() and np.isfinite(np.delete(dx, 1, axis=0)).all()
+
+
+def test_denormal_inputs_count_as_zero_within_bound(rng):
+    """bf16 denormals (|x| < 2^-126) are treated as zero by vdpbf16ps; the
+    bound's absolute term covers it."""
+    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", False)
+    x = (rng.standard_normal((6, 128)) * 1e-39).astype(np.float32).astype(BF16)
+    forward(x, packed, state, w32, "float32", what="denormal x")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 29, 130])
+def test_bit_identical_across_thread_counts(rng, m):
+    n, k = 203, 1216
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
+    x = bf16_input(rng, (m, k))
+    g = bf16_input(rng, (m, n))
+    bias = bf16_input(rng, (n,))
+    outs = []
+    for threads in (1, 2, 3):
+        q4.set_num_threads(threads)
+        outs.append(
+            (
+                q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32"),
+                q4.gemm_4bit(x, packed, state),
+                q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"),
+            )
+        )
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_misaligned_inputs(rng):
+    """Inputs at an address that is 2 mod 4 (the kernels read pairs of bf16)."""
+    n, k = 64, 128
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", False)
+    for m in (2, 20):
+        x = bf16_input(rng, (m, k))
+        buf = np.zeros(x.nbytes + 8, np.uint8)
+        xm = buf[2 : 2 + x.nbytes].view(BF16).reshape(m, k)
+        xm[...] = x
+        assert xm.ctypes.data % 4 == 2
+        assert np.array_equal(q4.gemm_4bit(xm, packed, state), q4.gemm_4bit(x, packed, state))
+        g = bf16_input(rng, (m, n))
+        gm = buf[2 : 2 + g.nbytes].view(BF16).reshape(m, n)
+        gm[...] = g
+        assert np.array_equal(q4.gemm_4bit_grad_input(gm, packed, state), q4.gemm_4bit_grad_input(g, packed, state))
+
+
+def test_declined_shapes_fall_back_to_fp32(rng):
+    """k % 64 != 0 is not served by the bf16 kernels: the fp32 kernels run
+    (W not rounded to bf16) and keep their fp32 bound."""
+    n, k = 70, 96
+    packed, state, w32 = make_weight(rng, n, k, 32, "nf4", True)
+    w64 = w32.astype(np.float64)
+    for m in (1, 9):
+        x = bf16_input(rng, (m, k))
+        y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+        assert last_kernels()["gemm_4bit"] not in ("", KERNEL_FWD)
+        check(y, x.astype(np.float64), w64.T, k, "float32", what=f"declined forward m={m}")
+        g = bf16_input(rng, (m, n))
+        dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+        assert last_kernels()["gemm_4bit_grad_input"] not in ("", KERNEL_GRAD)
+        check(dx, g.astype(np.float64), w64, n, "float32", what=f"declined grad m={m}")
+
+
+def test_other_input_dtypes_are_not_served(rng):
+    packed, state, _ = make_weight(rng, 32, 64, 64, "nf4", False)
+    for dtype in (np.float32, np.float16):
+        q4.gemm_4bit(np.ones((2, 64), dtype), packed, state)
+        assert last_kernels()["gemm_4bit"] != KERNEL_FWD
+        q4.gemm_4bit_grad_input(np.ones((2, 32), dtype), packed, state)
+        assert last_kernels()["gemm_4bit_grad_input"] != KERNEL_GRAD
