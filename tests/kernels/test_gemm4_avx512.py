@@ -162,10 +162,10 @@ def test_every_small_batch(rng):
 @pytest.mark.parametrize(
     "m, n, k, blocksize",
     [
-        (2, 301, 4112, 64),  # row-dot, rows in tiles of 8 + leftovers, k = 16 chunks + a half group
+        (2, 301, 4112, 64),  # row-dot: W rows in tiles of 8 + 5 leftovers, a final half group
         (10, 130, 2048, 32),  # row-dot, the largest m
-        (40, 300, 1088, 64),  # tiled: 3 panels (14 x 2 and 14 x 1 micro tiles), partial row tile
-        (130, 129, 576, 4096),  # tiled: 9 panels, blocks straddle rows
+        (44, 300, 1088, 64),  # tiled: 3 panels (9 x 3 tiles), the last partial, partial row tile
+        (130, 129, 576, 4096),  # tiled: 8 panels + the last 2 rows by row-dot; blocks straddle rows
         (64, 1000, 272, 128),  # tiled: 4 panels, 72 row tiles (several per thread chunk)
     ],
 )
