@@ -5,7 +5,7 @@ AVX2; bad input."""
 import numpy as np
 import pytest
 from reference import inputs
-from reference.matmul import check_against_baseline, rel_err
+from reference.matmul import check_against_baseline, quantized_weight, rel_err
 
 import q4
 
@@ -23,16 +23,7 @@ SHAPES = [
 
 
 def _state(rng, n, k, blocksize, quant_type, nested, scale=1.0):
-    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
-    packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
-    if nested:
-        codes, absmax2, offset = q4.quantize_nested(absmax)
-        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", codes, absmax2, offset)
-        absmax = q4.dequantize_blockwise(codes, absmax2, 256, offset=offset)
-    else:
-        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
-    w_deq = q4.dequantize_4bit(packed, absmax, (n, k), blocksize, quant_type)
-    return packed, state, w_deq
+    return quantized_weight(rng, n, k, blocksize, quant_type, nested, scale)
 
 
 @pytest.mark.parametrize("dtype", inputs.DTYPES)

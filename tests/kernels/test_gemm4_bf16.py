@@ -26,7 +26,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from reference import oracle
+from reference.matmul import quantized_weight as make_weight
 
 import q4
 
@@ -54,21 +54,6 @@ def bf16_level():
 
 def last_kernels() -> dict:
     return q4.cpu_features()["last_kernel"]
-
-
-def make_weight(rng, n, k, blocksize, quant_type, nested, scale=1.0):
-    """(packed, q4.QuantState, W as fp32 from the oracle's dequantize)."""
-    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
-    packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
-    if nested:
-        codes, absmax2, offset = q4.quantize_nested(absmax)
-        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", codes, absmax2, offset)
-        # the format's code book (a constant), decoded by the oracle's arithmetic
-        absmax = oracle.dequantize_blockwise(codes, absmax2, 256, code=q4.code_table("dynamic"), offset=offset)
-    else:
-        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
-    w32 = oracle.dequantize_4bit(packed.reshape(-1), absmax, n * k, blocksize, quant_type).reshape(n, k)
-    return packed, state, w32
 
 
 def flush(a64: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ a row (rows start inside a block)."""
 
 import numpy as np
 import pytest
+from reference.matmul import quantized_weight
 
 import q4
 
@@ -13,15 +14,8 @@ U32 = np.finfo(np.float32).eps / 2
 
 
 def _weight(rng, n, k, blocksize, quant_type, nested):
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
-    if nested:
-        codes, absmax2, offset = q4.quantize_nested(absmax)
-        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", codes, absmax2, offset)
-        absmax = q4.dequantize_blockwise(codes, absmax2, 256, offset=offset)
-    else:
-        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
-    return packed, state, q4.dequantize_4bit(packed, absmax, (n, k), blocksize, quant_type).astype(np.float64)
+    packed, state, w = quantized_weight(rng, n, k, blocksize, quant_type, nested, scale=0.05)
+    return packed, state, w.astype(np.float64)
 
 
 @pytest.mark.parametrize("k", [64, 128, 192, 384, 1024])

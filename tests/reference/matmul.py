@@ -31,3 +31,22 @@ def check_against_baseline(got, a32, b32, dtype: str, slack: float = 1.5, what: 
     base = rel_err(dense_baseline(a32, b32, dtype), want)
     err = rel_err(got, want)
     assert err <= slack * base + 2 * np.finfo(np.float32).eps, f"{what}: error {err:.3e} vs dense {dtype} {base:.3e}"
+
+
+def quantized_weight(rng, n: int, k: int, blocksize: int, quant_type: str, nested: bool, scale: float = 1.0):
+    """A random weight [n, k] quantized by q4: (packed, q4.QuantState, W as fp32
+    decoded by the oracle's arithmetic from the packed bytes and scales)."""
+    import q4
+    from reference import oracle
+
+    w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+    packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
+    if nested:
+        codes, absmax2, offset = q4.quantize_nested(absmax)
+        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", codes, absmax2, offset)
+        # the format's code book (a constant), decoded by the oracle's arithmetic
+        absmax = oracle.dequantize_blockwise(codes, absmax2, 256, code=q4.code_table("dynamic"), offset=offset)
+    else:
+        state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
+    w32 = oracle.dequantize_4bit(packed.reshape(-1), absmax, n * k, blocksize, quant_type).reshape(n, k)
+    return packed, state, w32
