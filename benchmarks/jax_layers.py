@@ -38,7 +38,10 @@ def main() -> dict:
     fwd_q4 = functools.partial(jax.jit(lambda x, p, s: q4jax.matmul_4bit(x, p, s)), p=packed, s=state)
     fwd_jnp = functools.partial(jax.jit(lambda x, p, s: x @ q4jax.dequantize_4bit(p, s).T), p=packed, s=state)
     fwd_dense = functools.partial(jax.jit(lambda x, w: x @ w), w=wt)
-    step_q4 = functools.partial(jax.jit(jax.grad(lambda x, p, s: q4jax.matmul_4bit(x, p, s).sum())), p=packed, s=state)
+    # value_and_grad: with the loss returned the forward is computed too (XLA drops it from a bare grad)
+    step_q4 = functools.partial(
+        jax.jit(jax.value_and_grad(lambda x, p, s: q4jax.matmul_4bit(x, p, s).sum())), p=packed, s=state
+    )
     try:
         import qwix
 
@@ -61,7 +64,7 @@ def main() -> dict:
             "q4torch matmul_4bit": median_ms(lambda xn=xn: q4torch.matmul_4bit(torch.from_numpy(xn), pt, st)),
             "jnp dequantize + dot": median_ms(lambda x=x: jax.block_until_ready(fwd_jnp(x)), repeat=5),
             "XLA dense fp32": median_ms(lambda x=x: jax.block_until_ready(fwd_dense(x))),
-            "q4jax train step (dX)": median_ms(lambda x=x: jax.block_until_ready(step_q4(x))),
+            "q4jax train step (loss + dX)": median_ms(lambda x=x: jax.block_until_ready(step_q4(x))),
         }
         if qmodel is not None:
             r["qwix 0.1.8 nf4"] = median_ms(lambda x=x: jax.block_until_ready(fwd_qwix(x)), repeat=5)

@@ -41,7 +41,16 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
-from common import dram_read_gbs, interleaved, load_line, others_busy_cores, print_header, print_table, write_json
+from common import (
+    dram_read_gbs,
+    interleaved,
+    load_line,
+    others_busy_cores,
+    print_header,
+    print_table,
+    settled,
+    write_json,
+)
 
 N = K = 4096
 BLOCKSIZE = 64
@@ -65,7 +74,6 @@ class Contestant:
     ref: str  # which dequantized weight the error is measured against
     weight_bytes: int
     note: str = ""
-    dtypes: tuple = DTYPES
     unavailable: str = ""  # why it cannot run here (printed instead of timings)
 
 
@@ -498,10 +506,15 @@ def run_forward(su: Setup, rng) -> tuple[list[dict], dict, dict]:
                         fns[c.name] = per_layer[0] if regime == "L3" else _cycle(per_layer)
                     # DRAM: every call (warmup included) moves on to the next layer, so each call reads a weight
                     # that 7 other layers' weights evicted from the L3 since its last use
-                    res = interleaved(fns, rounds=rounds_for(m), warmup=2 if m <= 128 else 1)
+                    res = settled(fns, rounds=rounds_for(m), warmup=2 if m <= 128 else 1)
                     for name, r in res.items():
                         rows.append({"dtype": dtype, "batch": m, "regime": regime, "contestant": name, **r})
-                    print(f"  timed {dtype} batch {m} {regime}", flush=True)
+                    r = next(iter(res.values()))
+                    print(
+                        f"  timed {dtype} batch {m} {regime}: {r['attempts']} attempt(s), dispersion "
+                        f"{r['dispersion']:.2f}",
+                        flush=True,
+                    )
     return rows, errors, q4_kernels
 
 
@@ -510,9 +523,27 @@ def _cycle(calls):
     return lambda: next(it)()
 
 
+def _jax_step(f):
+    """jit of (x, g, *weights) -> (y, dX) through jax.vjp, blocked on both: the
+    forward output is returned, or XLA would drop the forward (dX of a linear
+    map does not need y) and time the backward alone."""
+    import jax
+
+    def step(x, g, *weights):
+        y, pullback = jax.vjp(lambda x: f(x, *weights), x)
+        return y, pullback(g)[0]
+
+    jitted = jax.jit(step)
+
+    def call(x, g, *weights):
+        y, dx = jax.block_until_ready(jitted(x, g, *weights))
+        return dx
+
+    return call
+
+
 def run_grad(su: Setup, rng) -> tuple[list[dict], dict]:
     """Forward + backward to the input (frozen weight), batches 32 and 512, layer 0."""
-    import jax
     import jax.numpy as jnp
     import torch
     import torch.nn.functional as tF
@@ -524,10 +555,8 @@ def run_grad(su: Setup, rng) -> tuple[list[dict], dict]:
     sd, (p0, _) = su.extra["sds"][0], su.extra["packs"][0]
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     bnb_train = {d: _bnb_layer(sd, tdt[d], p0).train() for d in DTYPES}  # never run in eval: no in-place repack
-    q4j = jax.jit(lambda x, g, p, s: jax.vjp(lambda x: q4jax.matmul_4bit(x, p, s), x)[1](g)[0])
-    xlaj = jax.jit(
-        lambda x, g, w: jax.vjp(lambda x: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype), x)[1](g)[0]
-    )
+    q4j = _jax_step(lambda x, p, s: q4jax.matmul_4bit(x, p, s))
+    xlaj = _jax_step(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
     w64 = su.ref_weights["nf4"]
 
     def torch_step(module_or_fn, xt, g):
@@ -543,17 +572,22 @@ def run_grad(su: Setup, rng) -> tuple[list[dict], dict]:
             gt, gj = _inputs(rng, m, dtype)
             fns = {
                 "q4torch Linear4bit (train)": torch_step(q4_layer, xt, gt),
-                "q4jax matmul_4bit (jit vjp)": lambda xj=xj, gj=gj: q4j(xj, gj, pj, sj).block_until_ready(),
+                "q4jax matmul_4bit (jit vjp)": lambda xj=xj, gj=gj: q4j(xj, gj, pj, sj),
                 "bitsandbytes Linear4bit (train)": torch_step(bnb_train[dtype], xt, gt),
                 "torch dense F.linear": torch_step(lambda x, w=dense: tF.linear(x, w), xt, gt),
-                "XLA dense (jit vjp)": lambda xj=xj, gj=gj, xw=xw: xlaj(xj, gj, xw).block_until_ready(),
+                "XLA dense (jit vjp)": lambda xj=xj, gj=gj, xw=xw: xlaj(xj, gj, xw),
             }
             ref = gt.double() @ w64
             errors[(dtype, m)] = {name: rel_err(fn(), ref) for name, fn in fns.items()}
-            res = interleaved(fns, rounds=7 if m <= 32 else 4, warmup=1)
+            res = settled(fns, rounds=7 if m <= 32 else 4, warmup=1)
             for name, r in res.items():
                 rows.append({"dtype": dtype, "batch": m, "contestant": name, **r})
-            print(f"  timed training step {dtype} batch {m}", flush=True)
+            r = next(iter(res.values()))
+            print(
+                f"  timed training step {dtype} batch {m}: {r['attempts']} attempt(s), dispersion "
+                f"{r['dispersion']:.2f}",
+                flush=True,
+            )
     return rows, errors
 
 
@@ -711,6 +745,14 @@ def main() -> dict:
         f"{dram_end:.1f} GB/s after the timings (it drifts with the host's other tenants, so batch 1 is set against "
         "a read floor timed in the same rounds: torch.sum over 8.25 MiB buffers, one per layer, cycled like the "
         "weights)"
+    )
+    configs = {(r["dtype"], r["batch"], r["regime"]): r for r in rows}
+    retimed = [k for k, r in configs.items() if r["attempts"] > 1]
+    noisy = [k for k, r in configs.items() if r["dispersion"] > 2.0]
+    print(
+        f"timing: {len(configs)} forward configurations, {len(retimed)} re-timed because some contestant's median "
+        f"was > 2x its fastest sample; {len(noisy)} still above 2x after 3 attempts"
+        + (": " + ", ".join(f"{d} b{m} {g}" for d, m, g in noisy) if noisy else "")
     )
     print_forward(su, rows, errors)
     print_summary(su, rows, "median_ms")
