@@ -26,14 +26,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from reference.matmul import check_accumulation_bound
 from reference.matmul import quantized_weight as make_weight
 
 import q4
 
 BF16 = ml_dtypes.bfloat16
-U32 = 2.0**-24
 TINY = 2.0**-126
-UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 NP_DTYPE = {"float32": np.float32, "bfloat16": BF16, "float16": np.float16}
 KERNEL_FWD, KERNEL_GRAD = "avx512_bf16.gemm4", "avx512_bf16.grad4"
 
@@ -68,24 +67,7 @@ def bf16_exact(a) -> np.ndarray:
 
 def check(got, a64, b64, length, out_dtype, bias=None, what=""):
     """got ~ a64 @ b64 (+ bias) within the contract's bound (module docstring)."""
-    ref = a64 @ b64
-    mags = np.abs(a64) @ np.abs(b64)
-    if bias is not None:
-        bias64 = np.asarray(bias).astype(np.float64)
-        ref = ref + bias64
-        mags = mags + np.abs(bias64)
-    acc_bound = (length + 2) * (U32 * mags + TINY)
-    bound = acc_bound + UNIT_ROUNDOFF[out_dtype] * (np.abs(ref) + acc_bound)
-    got64 = np.asarray(got).astype(np.float64)
-    assert got64.shape == ref.shape, what
-    err = np.abs(got64 - ref)
-    bad = ~(err <= bound)
-    if bad.any():
-        i = np.argwhere(bad)[0]
-        pytest.fail(
-            f"{what}: {int(bad.sum())} of {bad.size} outside the bound; at {tuple(i)} got {got64[tuple(i)]!r} "
-            f"want {ref[tuple(i)]!r} (bound {bound[tuple(i)]:.3e})"
-        )
+    check_accumulation_bound(got, a64, b64, length, out_dtype, bias, TINY, what)
 
 
 def forward(x, packed, state, w32, out_dtype, bias=None, what=""):

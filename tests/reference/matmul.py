@@ -50,3 +50,35 @@ def quantized_weight(rng, n: int, k: int, blocksize: int, quant_type: str, neste
         state = q4.QuantState(quant_type, blocksize, (n, k), "float32", absmax)
     w32 = oracle.dequantize_4bit(packed.reshape(-1), absmax, n * k, blocksize, quant_type).reshape(n, k)
     return packed, state, w32
+
+
+# unit roundoff of each output dtype (fp32 outputs are the accumulator itself)
+UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def check_accumulation_bound(got, a64, b64, length, out_dtype, bias=None, tiny=2.0**-149, what=""):
+    """got ~ a64 @ b64 (+ bias) within the fp32 accumulation bound
+    (length + 2) * (2^-24 * |a| @ |b| + tiny), plus the output dtype's rounding
+    of the result; `tiny` is the smallest magnitude the kernel keeps (2^-149 for
+    IEEE fp32, 2^-126 where the hardware flushes denormals)."""
+    import pytest
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        ref = a64 @ b64
+        mags = np.abs(a64) @ np.abs(b64)
+    if bias is not None:
+        bias64 = np.asarray(bias).astype(np.float64)
+        ref = ref + bias64
+        mags = mags + np.abs(bias64)
+    acc_bound = (length + 2) * (2.0**-24 * mags + tiny)
+    bound = acc_bound + UNIT_ROUNDOFF[out_dtype] * (np.abs(ref) + acc_bound)
+    got64 = np.asarray(got).astype(np.float64)
+    assert got64.shape == ref.shape, what
+    err = np.abs(got64 - ref)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = np.argwhere(bad)[0]
+        pytest.fail(
+            f"{what}: {int(bad.sum())} of {bad.size} outside the bound; at {tuple(i)} got {got64[tuple(i)]!r} "
+            f"want {ref[tuple(i)]!r} (bound {bound[tuple(i)]:.3e})"
+        )
