@@ -536,42 +536,43 @@ def _publish(tmp: Path, path: Path) -> None:
         os.close(dfd)
 
 
-def write_atomic(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename (the
-    same naming, mode and clean-up as Writer)."""
+def _through_temporary(path, fill, copy_stat_from=None) -> None:
+    """Publish ``path`` from a temporary file that ``fill(f)`` writes (the same
+    naming, mode and clean-up as Writer); with ``copy_stat_from``, its mode
+    bits and times are copied first."""
     path = Path(path)
     fd, tmp = _create_temporary(path)
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
-            f.write(data)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
+        if copy_stat_from is not None:
+            import shutil
+
+            shutil.copystat(copy_stat_from, tmp)
         _publish(tmp, path)
         tmp = None
     finally:
         os.close(fd)
         if tmp is not None:
             _unlink(tmp)
+
+
+def write_atomic(path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename."""
+    _through_temporary(path, lambda f: f.write(data))
 
 
 def copy_atomic(src, path) -> None:
     """Copy the file ``src`` to ``path`` (contents, mode bits and times) through a temporary file."""
     import shutil
 
-    path = Path(path)
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb", closefd=False) as f, open(src, "rb") as s:
+    def fill(f):
+        with open(src, "rb") as s:
             shutil.copyfileobj(s, f, 1 << 20)
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.copystat(src, tmp)
-        _publish(tmp, path)
-        tmp = None
-    finally:
-        os.close(fd)
-        if tmp is not None:
-            _unlink(tmp)
+
+    _through_temporary(path, fill, copy_stat_from=src)
 
 
 def _unlink(tmp) -> None:
