@@ -32,7 +32,7 @@ int32_t q4_code_table(int32_t which, float* out, int64_t out_size) {
     return finish(
         q4::Status::Invalid("table output needs " + std::to_string(want) + " floats, got " + std::to_string(out_size)));
   for (int64_t i = 0; i < want; ++i)
-    out[i] = which == 0 ? q4::nf4::value(int(i)) : which == 1 ? q4::fp4::value(int(i)) : q4::dynamic8::value(int(i));
+    out[i] = which == 0 ? q4::nf4::value(int(i)) : which == 1 ? q4::fp4::value(int(i)) : q4::dynamic8::kValues.v[i];
   return finish(q4::Status::Ok());
 }
 

@@ -28,7 +28,7 @@ constexpr int64_t kGrainElements = 1 << 15;
 struct CodeBook {
   float v[256];
   explicit CodeBook(const float* code) {
-    for (int i = 0; i < 256; ++i) v[i] = code ? code[i] : dynamic8::value(i);
+    for (int i = 0; i < 256; ++i) v[i] = code ? code[i] : dynamic8::kValues.v[i];
   }
 };
 

@@ -30,7 +30,7 @@ class Scales {
  public:
   explicit Scales(const Absmax4& a) : a_(a) {
     if (a.nested()) {
-      for (int i = 0; i < 256; ++i) code_[i] = a.nested_code ? a.nested_code[i] : dynamic8::value(i);
+      for (int i = 0; i < 256; ++i) code_[i] = a.nested_code ? a.nested_code[i] : dynamic8::kValues.v[i];
       offset_ = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
     }
   }

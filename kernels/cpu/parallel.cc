@@ -29,10 +29,15 @@ int env_threads(const char* name) {
   return n > 0 ? n : 0;
 }
 
+// Read once: hardware_concurrency() opens /sys/devices/system/cpu/online on
+// every call (~10 us in a VM), which a per-call lookup paid on every kernel.
 int default_threads() {
-  if (int n = env_threads("Q4_NUM_THREADS")) return n;
-  if (int n = env_threads("OMP_NUM_THREADS")) return n;
-  return std::max(1u, std::thread::hardware_concurrency());
+  static const int n = [] {
+    if (int v = env_threads("Q4_NUM_THREADS")) return v;
+    if (int v = env_threads("OMP_NUM_THREADS")) return v;
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return n;
 }
 
 int g_requested = 0;  // 0: default

@@ -89,6 +89,18 @@ Q4_HDC float value(int i) {
 }
 
 #if !defined(__CUDACC__)
+// The map as one array, for host code at run time: value(i) called at run time
+// copies its 1 KiB table onto the stack on every call.
+struct Values {
+  float v[kCodes];
+};
+constexpr Values make_values() {
+  Values t{};
+  for (int i = 0; i < kCodes; ++i) t.v[i] = value(i);
+  return t;
+}
+inline constexpr Values kValues = make_values();
+
 namespace detail {
 constexpr bool sorted_strictly() {
   for (int i = 0; i + 1 < kCodes; ++i)

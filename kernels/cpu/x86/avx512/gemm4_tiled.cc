@@ -99,7 +99,7 @@ __m512 code_table() {
 const float* block_scales(const Absmax4& a, const Scales& scales, float* buf) {
   if (!a.nested()) return a.absmax;
   alignas(64) float code[256];
-  for (int i = 0; i < 256; ++i) code[i] = a.nested_code ? a.nested_code[i] : dynamic8::value(i);
+  for (int i = 0; i < 256; ++i) code[i] = a.nested_code ? a.nested_code[i] : dynamic8::kValues.v[i];
   const float offset = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
   const int64_t vec = a.n_blocks / 16;  // groups of 16 blocks (never straddle a nested block of 256)
   parallel_for(vec, 1024, [&](int64_t g0, int64_t g1) {
