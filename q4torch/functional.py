@@ -8,6 +8,7 @@ CPU path for the 4-bit formats; see the README for the nested 8-bit absmax.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -457,6 +458,76 @@ def dequantize_blockwise(
     return result
 
 
+# Validated kernel arguments of a 4-bit weight, per QuantState: (key, args).
+# The key holds every input the arguments are computed from (the pointers,
+# sizes, dtypes and layout of the packed bytes and scales, the state's fields,
+# the offset tensor's identity and version), so an entry is either exactly
+# what validation would produce now or it does not match: it cannot go stale.
+# Keyed by id(state) (QuantState compares by value, so it is not hashable);
+# an entry holds a weak reference to its state and leaves with it.
+_PREPARED: dict[int, tuple] = {}
+
+
+def _prepared_key(qs: QuantState, B: torch.Tensor):
+    a = qs.absmax
+    key = (B.data_ptr(), B.numel(), B.element_size(), B.is_contiguous(), qs.blocksize, qs.quant_type)
+    key += (tuple(qs.shape), qs.dtype, qs.nested, a.data_ptr(), a.numel(), a.dtype, a.is_contiguous())
+    if qs.nested:
+        s2, off = qs.state2, qs.offset
+        a2 = s2.absmax
+        key += (a2.data_ptr(), a2.numel(), a2.dtype, a2.is_contiguous(), s2.blocksize)
+        key += (id(off), off._version, off.data_ptr(), off.dtype)
+    return key
+
+
+def _prepared_args(qs: QuantState, B: torch.Tensor):
+    """(n, k, scales) for the C ABI, validated once per distinct key."""
+    try:
+        key = _prepared_key(qs, B)
+    except (AttributeError, TypeError):  # not tensors where tensors belong: the full check says which
+        key = None
+    hit = _PREPARED.get(id(qs))
+    if key is not None and hit is not None and hit[0]() is qs and hit[1] == key:
+        return hit[2]
+    check_quant_state(qs, B)
+    if len(qs.shape) != 2:
+        raise ValueError(f"matmul_4bit needs a 2-D weight, quant_state.shape is {tuple(qs.shape)}")
+    n, k = (int(s) for s in qs.shape)
+    packed = (B if B.dtype == torch.uint8 else B.view(torch.uint8)).reshape(-1)
+    nested = qs.nested
+    scales = ops._weight_args(
+        packed,
+        qs.absmax,
+        qs.state2.absmax if nested else None,
+        qs.offset if nested else None,
+        n,
+        k,
+        int(qs.blocksize),
+        qs.quant_type,
+    )
+    args = (n, k, scales, qs.offset if nested else None)  # the offset is kept alive with its id in the key
+    if key is not None:
+        ident = id(qs)
+        _PREPARED[ident] = (weakref.ref(qs, lambda _, i=ident: _PREPARED.pop(i, None)), key, args)
+    return args
+
+
+def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether matmul_4bit may call the CPU kernel directly rather than through
+    the q4::gemm_4bit op: eager mode, plain CPU tensors, nothing recording
+    (no autograd graph, no tracing, no torch function or dispatch mode). The
+    result is the op's, byte for byte (the same kernel with the same
+    arguments); what is skipped is the dispatcher's per-call cost, which at
+    batch 1 is a tenth of the whole call."""
+    if type(A) is not torch.Tensor or not A.is_cpu or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    if bias is not None and (type(bias) is not torch.Tensor or not bias.is_cpu):
+        return False
+    return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
+
+
 def matmul_4bit(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -473,6 +544,13 @@ def matmul_4bit(
     """
     if quant_state is None:
         raise ValueError("matmul_4bit needs the weight's quant_state")
+    if out is None and isinstance(quant_state, QuantState) and isinstance(A, torch.Tensor) and _eager_cpu(A, bias):
+        # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
+        with torch._C.DisableTorchFunctionSubclass():
+            if isinstance(B, torch.Tensor) and B.is_cpu and B.is_contiguous():
+                n, k, scales, _ = _prepared_args(quant_state, B)
+                bs, qt = int(quant_state.blocksize), quant_state.quant_type
+                return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias)
     _check_tensors(A=A, B=B, out=out, bias=bias)
     check_quant_state(quant_state, B)
     if len(quant_state.shape) != 2:

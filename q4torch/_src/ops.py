@@ -286,6 +286,39 @@ def _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, 
     )
 
 
+def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias) -> torch.Tensor:
+    """q4::gemm_4bit's work for a packed weight whose C ABI arguments (packed_ptr,
+    scales from _weight_args) are already validated: the input checks, the
+    result and the kernel call (CPU, or CUDA on x's stream)."""
+    xcode = dtype_code(x.dtype, "gemm_4bit input")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(
+            f"input has {x.shape[-1] if x.dim() else 0} features, the weight expects {k} (weight ({n}, {k}))"
+        )
+    if x.numel() == 0:
+        raise ValueError(f"empty input (shape {tuple(x.shape)})")
+    bias, b, bcode = _bias_arg(bias, n)
+    x2 = x.contiguous()
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    K.gemm_4bit_ptr(
+        x2.data_ptr(),
+        xcode,
+        x2.numel() // k,
+        n,
+        k,
+        packed_ptr,
+        scales,
+        blocksize,
+        formats.QUANT_TYPE_CODES[quant_type],
+        b,
+        bcode,
+        out.data_ptr(),
+        xcode,
+        _stream(x),
+    )
+    return out
+
+
 @torch.library.custom_op("q4::gemm_4bit", mutates_args=(), device_types=("cpu", "cuda"))
 def gemm_4bit(
     x: torch.Tensor,
@@ -300,36 +333,10 @@ def gemm_4bit(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """y[..., n] = x[..., k] . dequantize(W)^T (+ bias), fp32 accumulation, W never materialised."""
-    xcode = dtype_code(x.dtype, "gemm_4bit input")
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(
-            f"input has {x.shape[-1] if x.dim() else 0} features, the weight expects {k} (weight ({n}, {k}))"
-        )
-    if x.numel() == 0:
-        raise ValueError(f"empty input (shape {tuple(x.shape)})")
     packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
     scales = _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
-    bias, b, bcode = _bias_arg(bias, n)
-    x2 = x.contiguous()
-    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
-    K.gemm_4bit_ptr(
-        x2.data_ptr(),
-        xcode,
-        x2.numel() // k,
-        n,
-        k,
-        packed.data_ptr(),
-        scales,
-        blocksize,
-        formats.QUANT_TYPE_CODES[quant_type],
-        b,
-        bcode,
-        out.data_ptr(),
-        xcode,
-        _stream(x),
-    )
-    return out
+    return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias)
 
 
 @gemm_4bit.register_fake

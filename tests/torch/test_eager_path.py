@@ -1,0 +1,189 @@
+"""matmul_4bit's direct CPU call (eager mode, nothing recording): it returns
+the q4::gemm_4bit op's bytes, is taken only where nothing needs the
+dispatcher, and its cache of validated weight arguments never goes stale --
+every change to the weight's bytes, scales or state is seen by the next call.
+
+The op's result (the reference here) is what every other path computes and
+what the kernel tests check against the fp64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import inputs
+
+from q4torch import functional as F
+from q4torch._src import ops
+from q4torch.nn import Linear4bit
+
+
+def _weight(rng, n=64, k=256, blocksize=64, nested=True, quant_type="nf4"):
+    w = torch.from_numpy(inputs.make(rng, (n, k), "float32"))
+    return F.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type)
+
+
+def _op(x, packed, qs, bias=None):
+    """The q4::gemm_4bit op itself, through the dispatcher."""
+    n, k = qs.shape
+    nested = qs.nested
+    return torch.ops.q4.gemm_4bit(
+        x,
+        packed.view(torch.uint8).reshape(-1),
+        qs.absmax,
+        qs.state2.absmax if nested else None,
+        qs.offset if nested else None,
+        n,
+        k,
+        qs.blocksize,
+        qs.quant_type,
+        bias,
+    )
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts calls of the q4::gemm_4bit op made by matmul_4bit."""
+    calls = []
+    real = ops.gemm_4bit
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F.ops, "gemm_4bit", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+@pytest.mark.parametrize("shape", [(1,), (5,), (2, 3)], ids=["1", "5", "2x3"])
+def test_direct_call_gives_the_op_bytes(rng, op_calls, dtype, nested, shape):
+    packed, qs = _weight(rng, nested=nested)
+    x = torch.from_numpy(inputs.make(rng, (*shape, 256), "float32")).to(dtype)
+    bias = torch.from_numpy(inputs.make(rng, (64,), "float32")).to(dtype)
+    for b in (None, bias):
+        with torch.inference_mode():
+            got = F.matmul_4bit(x, packed.t(), qs, bias=b)
+        assert op_calls == [], "the direct call was not taken"
+        want = _op(x, packed, qs, b)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
+def test_direct_call_under_no_grad_and_without_grad_inputs(rng, op_calls):
+    packed, qs = _weight(rng)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
+    with torch.no_grad():
+        a = F.matmul_4bit(x, packed.t(), qs)
+    b = F.matmul_4bit(x, packed.t(), qs)  # grad enabled, but nothing requires grad
+    assert op_calls == []
+    assert torch.equal(a, _op(x, packed, qs)) and torch.equal(b, a)
+
+
+def test_grad_and_modes_take_the_op(rng, op_calls):
+    packed, qs = _weight(rng)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).requires_grad_(True)
+    y = F.matmul_4bit(x, packed.t(), qs)
+    assert len(op_calls) == 1 and y.requires_grad
+    y.sum().backward()
+    assert x.grad is not None
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Record():
+        F.matmul_4bit(x.detach(), packed.t(), qs)
+    assert len(op_calls) == 2 and any("q4.gemm_4bit" in s for s in seen)
+
+    # a bias that requires grad needs the autograd graph too
+    bias = torch.zeros(64, requires_grad=True)
+    F.matmul_4bit(x.detach(), packed.t(), qs, bias=bias).sum().backward()
+    assert len(op_calls) == 3 and bias.grad is not None
+
+
+def _fresh_equal(x, packed, qs):
+    with torch.inference_mode():
+        got = F.matmul_4bit(x, packed.t(), qs)
+    assert torch.equal(got, _op(x, packed, qs))
+    return got
+
+
+def test_in_place_changes_are_seen(rng):
+    """Bytes, absmax codes, nested absmax and the offset changed in place (as
+    load_state_dict's copy_ does) reach the next call."""
+    packed, qs = _weight(rng)
+    x = torch.from_numpy(inputs.make(rng, (2, 256), "float32"))
+    first = _fresh_equal(x, packed, qs)
+    other_packed, other = _weight(rng)
+    results = [first]
+    with torch.no_grad():
+        packed.copy_(other_packed)
+        results.append(_fresh_equal(x, packed, qs))
+        qs.absmax.copy_(other.absmax)
+        results.append(_fresh_equal(x, packed, qs))
+        qs.state2.absmax.mul_(2)
+        results.append(_fresh_equal(x, packed, qs))
+        qs.offset.add_(0.25)
+        results.append(_fresh_equal(x, packed, qs))
+    for a, b in zip(results, results[1:], strict=False):
+        assert not torch.equal(a, b)
+
+
+def test_replaced_tensors_and_fields_are_seen(rng):
+    packed, qs = _weight(rng)
+    x = torch.from_numpy(inputs.make(rng, (2, 256), "float32"))
+    first = _fresh_equal(x, packed, qs)
+    other_packed, other = _weight(rng)
+    qs.offset = other.offset.clone()
+    second = _fresh_equal(x, packed, qs)
+    assert not torch.equal(first, second)
+    qs.absmax, qs.state2, qs.offset = other.absmax, other.state2, other.offset
+    third = _fresh_equal(x, other_packed, qs)
+    assert torch.equal(third, _op(x, other_packed, other))
+    # a field made invalid is refused with its value, not served from the cache
+    qs.blocksize = 48
+    with torch.inference_mode(), pytest.raises(ValueError, match="48"):
+        F.matmul_4bit(x, other_packed.t(), qs)
+    qs.blocksize = 128
+    with torch.inference_mode(), pytest.raises(ValueError, match="absmax"):
+        F.matmul_4bit(x, other_packed.t(), qs)
+
+
+def test_bad_inputs_are_refused_on_the_direct_call(rng):
+    packed, qs = _weight(rng)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="255 features"):
+            F.matmul_4bit(torch.zeros(1, 255), packed.t(), qs)
+        with pytest.raises(TypeError, match="int32"):
+            F.matmul_4bit(torch.zeros(1, 256, dtype=torch.int32), packed.t(), qs)
+        with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+            F.matmul_4bit(torch.zeros(1, 256), packed.t(), qs, bias=torch.zeros(63))
+        with pytest.raises(ValueError, match="empty input"):
+            F.matmul_4bit(torch.zeros(0, 256), packed.t(), qs)
+
+
+def test_layer_in_eval_inference_mode_equals_the_op(rng, op_calls):
+    w = torch.from_numpy(inputs.make(rng, (64, 256), "float32"))
+    layer = Linear4bit(256, 64, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+    layer.weight.data = w
+    layer = layer.to("cpu").eval()
+    x = torch.from_numpy(inputs.make(rng, (4, 256), "float32")).bfloat16()
+    with torch.inference_mode():
+        got = layer(x)
+    assert op_calls == []
+    packed, qs = layer.packed_weight()
+    assert torch.equal(got, _op(x, packed, qs, layer.bias.bfloat16()))
+    # reloading a different checkpoint into the same layer is seen
+    other = Linear4bit(256, 64, bias=True, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True)
+    other.weight.data = torch.from_numpy(inputs.make(rng, (64, 256), "float32"))
+    other = other.to("cpu")
+    layer.load_state_dict(other.state_dict())
+    with torch.inference_mode():
+        assert torch.equal(layer(x), other.eval()(x))
+        assert not torch.equal(layer(x), got)
