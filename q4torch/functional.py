@@ -459,10 +459,12 @@ def dequantize_blockwise(
 
 
 # Validated kernel arguments of a 4-bit weight, per QuantState: (key, args).
-# The key holds every input the arguments are computed from (the pointers,
-# sizes, dtypes and layout of the packed bytes and scales, the state's fields,
-# the offset tensor's identity and version), so an entry is either exactly
-# what validation would produce now or it does not match: it cannot go stale.
+# The arguments are pointers and sizes, a function of the key alone (the
+# pointers, sizes, dtypes and layout of the packed bytes and scales, and the
+# state's fields), so an entry is either exactly what validation would produce
+# now or it does not match: it cannot go stale. The nested offset's value is
+# read on every call (tensors made under inference_mode have no version
+# counter that could tell an in-place change).
 # Keyed by id(state) (QuantState compares by value, so it is not hashable);
 # an entry holds a weak reference to its state and leaves with it.
 _PREPARED: dict[int, tuple] = {}
@@ -476,7 +478,7 @@ def _prepared_key(qs: QuantState, B: torch.Tensor):
         s2, off = qs.state2, qs.offset
         a2 = s2.absmax
         key += (a2.data_ptr(), a2.numel(), a2.dtype, a2.is_contiguous(), s2.blocksize)
-        key += (id(off), off._version, off.data_ptr(), off.dtype)
+        key += (off.numel(), off.dtype)
     return key
 
 
@@ -488,7 +490,10 @@ def _prepared_args(qs: QuantState, B: torch.Tensor):
         key = None
     hit = _PREPARED.get(id(qs))
     if key is not None and hit is not None and hit[0]() is qs and hit[1] == key:
-        return hit[2]
+        n, k, scales = hit[2]
+        if qs.nested:  # the offset's current value (a tensor never cached)
+            scales = scales[:5] + (float(qs.offset.reshape(()).item()),) + scales[6:]
+        return n, k, scales
     check_quant_state(qs, B)
     if len(qs.shape) != 2:
         raise ValueError(f"matmul_4bit needs a 2-D weight, quant_state.shape is {tuple(qs.shape)}")
@@ -505,7 +510,7 @@ def _prepared_args(qs: QuantState, B: torch.Tensor):
         int(qs.blocksize),
         qs.quant_type,
     )
-    args = (n, k, scales, qs.offset if nested else None)  # the offset is kept alive with its id in the key
+    args = (n, k, scales)
     if key is not None:
         ident = id(qs)
         _PREPARED[ident] = (weakref.ref(qs, lambda _, i=ident: _PREPARED.pop(i, None)), key, args)
@@ -548,7 +553,7 @@ def matmul_4bit(
         # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
         with torch._C.DisableTorchFunctionSubclass():
             if isinstance(B, torch.Tensor) and B.is_cpu and B.is_contiguous():
-                n, k, scales, _ = _prepared_args(quant_state, B)
+                n, k, scales = _prepared_args(quant_state, B)
                 bs, qt = int(quant_state.blocksize), quant_state.quant_type
                 return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias)
     _check_tensors(A=A, B=B, out=out, bias=bias)

@@ -187,3 +187,19 @@ def test_layer_in_eval_inference_mode_equals_the_op(rng, op_calls):
     with torch.inference_mode():
         assert torch.equal(layer(x), other.eval()(x))
         assert not torch.equal(layer(x), got)
+
+
+def test_inference_tensors_changed_in_place_are_seen(rng):
+    """A weight quantized under inference_mode (tensors without a version
+    counter) and changed in place there: every call sees the current values."""
+    with torch.inference_mode():
+        packed, qs = _weight(rng)
+        x = torch.from_numpy(inputs.make(rng, (2, 256), "float32"))
+        first = F.matmul_4bit(x, packed.t(), qs)
+        qs.offset.add_(0.5)
+        second = F.matmul_4bit(x, packed.t(), qs)
+        other_packed, other = _weight(rng)
+        packed.copy_(other_packed)
+        third = F.matmul_4bit(x, packed.t(), qs)
+        assert not torch.equal(first, second) and not torch.equal(second, third)
+        assert torch.equal(third, _op(x, packed, qs))
