@@ -14,6 +14,10 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "scale_decoder.h"
+#pragma GCC diagnostic pop
 
 namespace q4 {
 namespace cpu {
@@ -91,6 +95,18 @@ void gemv1_avx512(const Gemm4bitParams& p, const float* xe, const float* xo, con
 constexpr int kShift[8] = {4, 0, 12, 8, 20, 16, 28, 24};
 constexpr int kElem[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 
+// The dwords of v shifted right by S in their low 4 bits (what permutexvar
+// reads), vh = v >> 16. Shifts by 4, 8 and 12 within a 16-bit half are
+// vpmulhuw by 2^(16-s): it runs beside the permutes, where a vector shift
+// competes with them for the same two pipes.
+template <int S>
+inline __m512i nibbles(__m512i v, __m512i vh) {
+  if (S == 0) return v;
+  if (S == 16) return vh;
+  const __m512i src = S < 16 ? v : vh;
+  return _mm512_mulhi_epu16(src, _mm512_set1_epi16(int16_t(1 << (16 - S % 16))));
+}
+
 // Scales of the 16 dwords of chunk c from the row's block scales rs.
 inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
   const int64_t f = c * 128;
@@ -103,35 +119,37 @@ inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
   return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + (f >> 5))));
 }
 
+// R rows from r0; rs[b - b_base] = scale of block b. The next row group's
+// chunk is prefetched (the hardware prefetchers miss the R interleaved row
+// streams). Four rows: eight independent FMA chains, enough to cover the FMA
+// latency (two rows' four chains left the loop latency-bound).
 template <QuantType QT, int R>
-void gemv128_rows(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t r0, float* rs) {
+void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int64_t b_base, int64_t r0) {
   alignas(64) float codes[16];
   for (int q = 0; q < 16; ++q) codes[q] = Code4<QT>::decode(q);
   const __m512 table = _mm512_load_ps(codes);
   const int64_t k = p.k, chunks = k / 128;
   const int shift = log2_exact(p.blocksize);
-  const int64_t row_blocks = ceil_div(k, p.blocksize) + 1;
-  // block scales of each row, decoded once (rows start on a block boundary
-  // only when blocksize divides k; otherwise blocks straddle rows)
-  for (int j = 0; j < R; ++j) {
-    const int64_t f0 = (r0 + j) * k;
-    scales.decode(f0 >> shift, std::min(((f0 + k - 1) >> shift) + 1, (f0 >> shift) + row_blocks), rs + j * row_blocks);
-  }
+  const float* sc = rs - b_base;  // sc[b] = scale of block b
   __m512 total[R];
   for (int j = 0; j < R; ++j) total[j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     __m512i v[R];
     __m512 a0[R], a1[R];
     for (int j = 0; j < R; ++j) {
-      v[j] = _mm512_loadu_si512(p.packed + ((r0 + j) * k + c * 128) / 2);
+      const uint8_t* src = p.packed + ((r0 + j) * k + c * 128) / 2;
+      _mm_prefetch(reinterpret_cast<const char*>(src + R * k / 2), _MM_HINT_T0);
+      v[j] = _mm512_loadu_si512(src);
       a0[j] = a1[j] = _mm512_setzero_ps();
     }
+    __m512i vh[R];
+    for (int j = 0; j < R; ++j) vh[j] = _mm512_srli_epi32(v[j], 16);
     const float* xc = xt + c * 128;
 #define Q4_STEP(i, acc)                                                                                       \
   {                                                                                                           \
     const __m512 xv = _mm512_loadu_ps(xc + 16 * (i));                                                         \
     for (int j = 0; j < R; ++j)                                                                               \
-      acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v[j], kShift[i]), table), xv, acc[j]); \
+      acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(nibbles<kShift[i]>(v[j], vh[j]), table), xv, acc[j]); \
   }
     Q4_STEP(0, a0)
     Q4_STEP(1, a1)
@@ -142,30 +160,35 @@ void gemv128_rows(const Gemm4bitParams& p, const float* xt, const Scales& scales
     Q4_STEP(6, a0)
     Q4_STEP(7, a1)
 #undef Q4_STEP
-    for (int j = 0; j < R; ++j) {
-      // rs holds this row's blocks from block (row start >> shift)
-      const int64_t f0 = (r0 + j) * k;
-      const float* rj = rs + j * row_blocks - (f0 >> shift);
-      total[j] = _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales(rj, (f0 >> 7) + c, shift), total[j]);
-    }
+    for (int j = 0; j < R; ++j)
+      total[j] = _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales(sc, (((r0 + j) * k) >> 7) + c, shift),
+                                 total[j]);
   }
   for (int j = 0; j < R; ++j)
     store_out(p.out, p.out_dtype, r0 + j, _mm512_reduce_add_ps(total[j]) + load_bias(p.bias, p.bias_dtype, r0 + j));
 }
 
+constexpr int64_t kGemvRows = 4;    // rows per register tile
+constexpr int64_t kScaleRows = 32;  // rows whose block scales are decoded at a time
+
 template <QuantType QT>
-void gemv128(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales) {
   float* xt = scratch(kSlotPanels, p.k);
   for (int64_t c = 0; c < p.k; c += 128)
     for (int i = 0; i < 8; ++i)
       for (int j = 0; j < 16; ++j) xt[c + 16 * i + j] = x[c + 8 * j + kElem[i]];
-  const int64_t row_blocks = ceil_div(p.k, p.blocksize) + 1;
-  parallel_for(ceil_div(p.n, 2), 8, [&](int64_t a, int64_t b) {
-    float* rs = scratch(kSlotRow, 2 * row_blocks);
-    const int64_t n0 = 2 * a, n1 = std::min(p.n, 2 * b);
-    int64_t r = n0;
-    for (; r + 2 <= n1; r += 2) gemv128_rows<QT, 2>(p, xt, scales, r, rs);
-    if (r < n1) gemv128_rows<QT, 1>(p, xt, scales, r, rs);
+  const int shift = log2_exact(p.blocksize);
+  parallel_for(ceil_div(p.n, kGemvRows), 8, [&](int64_t a, int64_t b) {
+    const int64_t n0 = kGemvRows * a, n1 = std::min(p.n, kGemvRows * b);
+    float* rs = scratch(kSlotRow, ((kScaleRows * p.k) >> shift) + 2 + 16);
+    for (int64_t rb = n0; rb < n1; rb += kScaleRows) {
+      const int64_t re = std::min(n1, rb + kScaleRows);
+      const int64_t b0 = (rb * p.k) >> shift, b1 = ((re * p.k - 1) >> shift) + 1;
+      scales.decode(b0, b1, rs);
+      int64_t r = rb;
+      for (; r + kGemvRows <= re; r += kGemvRows) gemv128_rows<QT, kGemvRows>(p, xt, rs, b0, r);
+      for (; r < re; ++r) gemv128_rows<QT, 1>(p, xt, rs, b0, r);
+    }
   });
 }
 
@@ -190,7 +213,8 @@ bool gemm4(const Gemm4bitParams& p, const Scales& scales) {
   if (p.k % 64 != 0) return false;
   const float* x = as_f32(p.x, p.x_dtype, p.k);
   if (p.k % 128 == 0) {
-    Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv128<QT>(p, x, scales); });
+    const ScaleDecoder decoder(p.scales);
+    Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv128<QT>(p, x, decoder); });
     return true;
   }
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv1<QT>(p, x, scales); });

@@ -63,6 +63,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
+#include "scale_decoder.h"
+
 namespace q4 {
 namespace cpu {
 namespace avx512 {
@@ -94,25 +96,11 @@ __m512 code_table() {
 }
 
 // The scale of every block as one fp32 array: the absmax itself, or the
-// nested absmax decoded exactly as Scales does (fp32(code[q] * absmax2) +
-// offset, two roundings) into `buf` [n_blocks].
-const float* block_scales(const Absmax4& a, const Scales& scales, float* buf) {
+// nested absmax decoded (ScaleDecoder) into `buf` [n_blocks].
+const float* block_scales(const Absmax4& a, float* buf) {
   if (!a.nested()) return a.absmax;
-  alignas(64) float code[256];
-  for (int i = 0; i < 256; ++i) code[i] = a.nested_code ? a.nested_code[i] : dynamic8::kValues.v[i];
-  const float offset = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
-  const int64_t vec = a.n_blocks / 16;  // groups of 16 blocks (never straddle a nested block of 256)
-  parallel_for(vec, 1024, [&](int64_t g0, int64_t g1) {
-    const __m512 off = _mm512_set1_ps(offset);
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * 16;
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.nested_codes + b)));
-      const __m512 v =
-          _mm512_mul_ps(_mm512_i32gather_ps(q, code, 4), _mm512_set1_ps(a.nested_absmax[b / kNestedBlocksize]));
-      _mm512_storeu_ps(buf + b, _mm512_add_ps(v, off));
-    }
-  });
-  for (int64_t b = vec * 16; b < a.n_blocks; ++b) buf[b] = scales(b);
+  const ScaleDecoder dec(a);
+  parallel_for(a.n_blocks, int64_t(1) << 14, [&](int64_t b0, int64_t b1) { dec.decode(b0, b1, buf + b0); });
   return buf;
 }
 
@@ -259,10 +247,10 @@ struct CallBuffers {
   float* packed;
   BlockScales scales;
 };
-CallBuffers call_buffers(int64_t count, const Absmax4& a, const Scales& scales, int64_t blocksize) {
+CallBuffers call_buffers(int64_t count, const Absmax4& a, int64_t blocksize) {
   const int64_t padded = (count + 15) / 16 * 16;
   float* buf = aligned_scratch(gemm4::kSlotPanels, padded + (a.nested() ? a.n_blocks : 0));
-  return {buf, {block_scales(a, scales, buf + padded), gemm4::log2_exact(blocksize)}};
+  return {buf, {block_scales(a, buf + padded), gemm4::log2_exact(blocksize)}};
 }
 
 inline void prefetch_range(const void* p, int64_t bytes) {
@@ -323,10 +311,10 @@ constexpr int rowdot_r() {
 }
 
 template <QuantType QT, int M, typename T>
-void rowdot(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+void rowdot(const Gemm4bitParams& p, const float* x, const Scales& /*scales*/) {
   constexpr int R = rowdot_r<M>();
   const int64_t k = p.k;
-  const CallBuffers cb = call_buffers(M * k, p.scales, scales, p.blocksize);
+  const CallBuffers cb = call_buffers(M * k, p.scales, p.blocksize);
   float* xg = cb.packed;
   for (int i = 0; i < M; ++i) to_group_order(x + i * k, k, xg + i * k);
   const int64_t full = p.n / R;
@@ -537,9 +525,9 @@ void pack_panels(const float* x, int64_t m, int64_t k, int64_t P, float* xp) {
 }
 
 template <QuantType QT, int R, int Q, typename T>
-void forward_tiled(const Gemm4bitParams& p, const float* x, const Scales& scales) {
+void forward_tiled(const Gemm4bitParams& p, const float* x, const Scales& /*scales*/) {
   const int64_t P = ceil_div(p.m, int64_t(16));
-  const CallBuffers cb = call_buffers(P * p.k * 16, p.scales, scales, p.blocksize);
+  const CallBuffers cb = call_buffers(P * p.k * 16, p.scales, p.blocksize);
   pack_panels(x, p.m, p.k, P, cb.packed);
   parallel_for(ceil_div(p.n, int64_t(R)), 1,
                [&](int64_t t0, int64_t t1) { fwd_tiles<QT, R, Q, T>(p, cb.packed, P, cb.scales, t0, t1); });
@@ -673,8 +661,8 @@ void grad_strip_fused(const Gemm4bitGradInputParams& p, const float* dy, const B
 }
 
 template <QuantType QT, int M, int NZ, typename T>
-void grad_fused(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales) {
-  const CallBuffers cb = call_buffers(0, p.scales, scales, p.blocksize);
+void grad_fused(const Gemm4bitGradInputParams& p, const float* dy, const Scales& /*scales*/) {
+  const CallBuffers cb = call_buffers(0, p.scales, p.blocksize);
   parallel_for(ceil_div(p.k, int64_t(NZ * 16)), 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) grad_strip_fused<QT, M, NZ, T>(p, dy, cb.scales, s);
   });
@@ -797,8 +785,8 @@ void pack_slivers(const float* dy, int64_t m, int64_t n, int max_rows, float* dy
 }
 
 template <QuantType QT, int NZ, typename T>
-void grad_tiled(const Gemm4bitGradInputParams& p, const float* dy, const Scales& scales) {
-  const CallBuffers cb = call_buffers(p.m * p.n, p.scales, scales, p.blocksize);
+void grad_tiled(const Gemm4bitGradInputParams& p, const float* dy, const Scales& /*scales*/) {
+  const CallBuffers cb = call_buffers(p.m * p.n, p.scales, p.blocksize);
   pack_slivers(dy, p.m, p.n, max_sliver<NZ>(), cb.packed);
   parallel_for(ceil_div(p.k, int64_t(NZ * 16)), 1,
                [&](int64_t s0, int64_t s1) { grad_strips<QT, NZ, T>(p, cb.packed, cb.scales, s0, s1); });

@@ -78,6 +78,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
+#include "../avx512/scale_decoder.h"
+
 namespace q4 {
 namespace cpu {
 namespace avx512_bf16 {
@@ -108,57 +110,6 @@ T* scratch_as(int slot, int64_t bytes) {
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, as_bh(a), as_bh(b)); }
-
-// Block scales, decoded exactly as gemm4::Scales does (fp32(code[q] * absmax2)
-// + offset for nested scales), 16 at a time.
-class BlockScales {
- public:
-  explicit BlockScales(const Absmax4& a) : a_(a) {
-    if (a.nested()) {
-      for (int i = 0; i < 256; ++i) code_[i] = a.nested_code ? a.nested_code[i] : dynamic8::kValues.v[i];
-      offset_ = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
-    }
-  }
-  float one(int64_t b) const {
-    if (!a_.nested()) return a_.absmax[b];
-    const float scaled = code_[a_.nested_codes[b]] * a_.nested_absmax[b / kNestedBlocksize];
-    return scaled + offset_;
-  }
-  // scales of blocks [b0, b1) into out[0, b1 - b0)
-  void decode(int64_t b0, int64_t b1, float* out) const {
-    if (!a_.nested()) {
-      memcpy(out, a_.absmax + b0, size_t(b1 - b0) * sizeof(float));
-      return;
-    }
-    int64_t b = b0;
-    for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = one(b);
-    // the 256-entry code book as 16 vectors: a 16-lane lookup is 8 two-table
-    // permutes (index bits 0-4) and 7 blends (bits 5-7); a gather is slower
-    __m512 t[16];
-    for (int i = 0; i < 16; ++i) t[i] = _mm512_load_ps(code_ + 16 * i);
-    const __m512 offset = _mm512_set1_ps(offset_);
-    for (; b + 16 <= b1; b += 16) {
-      // 16 consecutive blocks from a multiple of 16 share one absmax2 (block 256)
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a_.nested_codes + b)));
-      __m512 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm512_permutex2var_ps(t[2 * i], q, t[2 * i + 1]);
-      const __mmask16 b5 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(32));
-      const __mmask16 b6 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(64));
-      const __mmask16 b7 = _mm512_test_epi32_mask(q, _mm512_set1_epi32(128));
-      for (int i = 0; i < 4; ++i) r[i] = _mm512_mask_blend_ps(b5, r[2 * i], r[2 * i + 1]);
-      for (int i = 0; i < 2; ++i) r[i] = _mm512_mask_blend_ps(b6, r[2 * i], r[2 * i + 1]);
-      const __m512 code = _mm512_mask_blend_ps(b7, r[0], r[1]);
-      const __m512 scaled = _mm512_mul_ps(code, _mm512_set1_ps(a_.nested_absmax[b / kNestedBlocksize]));
-      _mm512_storeu_ps(out + (b - b0), _mm512_add_ps(scaled, offset));
-    }
-    for (; b < b1; ++b) out[b - b0] = one(b);
-  }
-
- private:
-  const Absmax4& a_;
-  alignas(64) float code_[256] = {};
-  float offset_ = 0.0f;
-};
 
 // The 16 fp32 codes of the format.
 inline __m512 code_table(QuantType qt) {
@@ -383,7 +334,7 @@ constexpr int64_t kGemvXBytes = 16 << 10;  // x bytes per k segment (stays in L1
 // sums are carried in memory between segments as 16-lane vectors, so the
 // sums are those of one pass over k.
 template <typename OutT, typename BiasT, bool TWO>
-void gemv_path(const Gemm4bitParams& p, const BlockScales& scales) {
+void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   // deinterleaved x, one pass (caller's scratch)
   uint16_t* xq = scratch_as<uint16_t>(kSlotPanels, m * k * 2);
@@ -585,7 +536,7 @@ void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
 }
 
 template <typename OutT, typename BiasT, bool TWO>
-void tiled_path(const Gemm4bitParams& p, const BlockScales& scales) {
+void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
   const int64_t panels = ceil_div(m, kPanel);
@@ -833,7 +784,7 @@ void grad_fused_any(int R, const uint8_t* packed, const float* sc, __m512 codes,
 }
 
 template <typename OutT, bool TWO>
-void grad_path(const Gemm4bitGradInputParams& p, const BlockScales& scales) {
+void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
   // dY with an even row length (pairs of n), zero-padded when n is odd
@@ -910,7 +861,7 @@ void with_out_type(DType dt, F&& f) {
 }
 
 template <typename OutT, typename BiasT>
-void gemm_typed(const Gemm4bitParams& p, const BlockScales& scales) {
+void gemm_typed(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const bool two = p.blocksize == 32;
   if (p.m <= kGemvMaxM) {
     if (two) return gemv_path<OutT, BiasT, true>(p, scales);
@@ -925,7 +876,7 @@ void gemm_typed(const Gemm4bitParams& p, const BlockScales& scales) {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
   if (p.x_dtype != kBF16 || p.k % kChunk != 0) return false;
   if (reinterpret_cast<uintptr_t>(p.x) % 2 != 0) return false;
-  const BlockScales scales(p.scales);
+  const ScaleDecoder scales(p.scales);
   hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
   with_out_type(p.out_dtype, [&](auto* o) {
     using OutT = std::remove_pointer_t<decltype(o)>;
@@ -940,7 +891,7 @@ bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
   if (p.grad_out_dtype != kBF16 || p.k % kChunk != 0) return false;
   if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
-  const BlockScales scales(p.scales);
+  const ScaleDecoder scales(p.scales);
   hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
   with_out_type(p.grad_input_dtype, [&](auto* o) {
     using OutT = std::remove_pointer_t<decltype(o)>;
