@@ -109,10 +109,12 @@ def test_threads_agree(rng):
     packed, state, _ = _state(rng, 130, 128, 64, "nf4", False)
     x = inputs.make(rng, (40, 128), "float32")
     outs = []
-    for t in (1, 2, 3):
-        q4.set_num_threads(t)
-        outs.append(q4.gemm_4bit(x, packed, state))
-    q4.set_num_threads(0)
+    try:
+        for t in (1, 2, 3):
+            q4.set_num_threads(t)
+            outs.append(q4.gemm_4bit(x, packed, state))
+    finally:
+        q4.set_num_threads(0)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 

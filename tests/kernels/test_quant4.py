@@ -100,13 +100,15 @@ def test_scalar_and_avx2_identical(rng):
         pytest.skip("processor lacks AVX2")
     x = inputs.make(rng, (257, 515), "float32", "special")
     results = {}
+    before = q4.cpu_isa()
     for isa in ("scalar", "avx2"):
         q4.set_cpu_isa(isa)
         try:
             results[isa] = [q4.quantize_4bit(x, 64, qt) for qt in ("nf4", "fp4")]
             results[isa] += [q4.dequantize_4bit(*results[isa][0], x.shape, 64, "nf4", "bfloat16")]
         finally:
-            q4.set_cpu_isa("avx2")
+            q4.set_cpu_isa(before)  # the level the session runs (avx512_bf16 on such CPUs), not "avx2"
+    assert q4.cpu_isa() == before
     (a, b) = results["scalar"], results["avx2"]
     for (pa, ma), (pb, mb) in zip(a[:2], b[:2], strict=True):
         assert np.array_equal(pa, pb) and np.array_equal(ma, mb)
@@ -117,10 +119,12 @@ def test_threads_do_not_change_results(rng):
     x = inputs.make(rng, (1024, 1024), "float32")
     before = q4.num_threads()
     outs = []
-    for t in (1, 2, 3):
-        q4.set_num_threads(t)
-        outs.append(q4.quantize_4bit(x, 64, "nf4"))
-    q4.set_num_threads(0)
+    try:
+        for t in (1, 2, 3):
+            q4.set_num_threads(t)
+            outs.append(q4.quantize_4bit(x, 64, "nf4"))
+    finally:
+        q4.set_num_threads(0)
     assert q4.num_threads() == before
     for p, m in outs[1:]:
         assert np.array_equal(p, outs[0][0]) and np.array_equal(m, outs[0][1])

@@ -6,9 +6,6 @@ without fused kernels)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def rel_err(got, want) -> float:
@@ -18,9 +15,13 @@ def rel_err(got, want) -> float:
 
 
 def dense_baseline(a32: np.ndarray, b32: np.ndarray, dtype: str) -> np.ndarray:
-    """a @ b computed densely in `dtype` (torch CPU matmul), returned as fp64."""
-    a = torch.from_numpy(np.array(a32, np.float32)).to(TORCH[dtype])
-    b = torch.from_numpy(np.array(b32, np.float32)).to(TORCH[dtype])
+    """a @ b computed densely in `dtype` (torch CPU matmul), returned as fp64.
+    (torch is imported here, not by the module: JAX-only runs use the rest.)"""
+    import torch
+
+    dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    a = torch.from_numpy(np.array(a32, np.float32)).to(dt)
+    b = torch.from_numpy(np.array(b32, np.float32)).to(dt)
     return (a @ b).double().numpy()
 
 

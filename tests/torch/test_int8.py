@@ -30,11 +30,11 @@ def test_int8_linear_forward_backward(rng, threshold):
     x = torch.from_numpy(inputs.make(rng, (7, 128), "float32"))
     x[:, 3] = 20.0  # outlier column when threshold = 6
     x.requires_grad_()
-    bias = torch.randn(96, requires_grad=True)
+    bias = torch.from_numpy(inputs.make(rng, (96,), "float32")).requires_grad_()
     y = F.int8_linear(x, CB, SCB, threshold, bias)
     want = q4.int8_linear(x.detach().numpy(), CB.numpy(), SCB.numpy(), threshold, bias.detach().numpy())
     assert torch.equal(y.detach(), torch.from_numpy(want))
-    g = torch.randn(7, 96)
+    g = torch.from_numpy(inputs.make(rng, (7, 96), "float32"))
     y.backward(g)
     w_deq = CB.double() * SCB.double()[:, None] / 127
     assert rel_err(x.grad.numpy(), (g.double() @ w_deq).numpy()) < 1e-6
@@ -45,8 +45,8 @@ def test_opcheck_and_compile(rng):
     w = torch.from_numpy(inputs.make(rng, (48, 64), "float32"))
     CB, SCB, _ = F.int8_vectorwise_quant(w)
     x = torch.from_numpy(inputs.make(rng, (5, 64), "float32")).requires_grad_()
-    torch.library.opcheck(ops.int8_linear, (x, CB, SCB, 6.0, torch.randn(48)))
-    torch.library.opcheck(ops.int8_grad_input, (torch.randn(5, 48), CB, SCB))
+    torch.library.opcheck(ops.int8_linear, (x, CB, SCB, 6.0, torch.from_numpy(inputs.make(rng, (48,), "float32"))))
+    torch.library.opcheck(ops.int8_grad_input, (torch.from_numpy(inputs.make(rng, (5, 48), "float32")), CB, SCB))
     torch.library.opcheck(ops.int8_quantize_rows, (x.detach(), 0.0))
     compiled = torch.compile(lambda a: F.int8_linear(a, CB, SCB, 6.0).sum(), fullgraph=True)
     (gc,) = torch.autograd.grad(compiled(x), x)

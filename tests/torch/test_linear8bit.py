@@ -357,7 +357,7 @@ def test_bad_input(rng):
     with pytest.raises(RuntimeError, match="Loading a quantized checkpoint into non-quantized Linear8bitLt"):
         fp16_layer.load_state_dict(good)
     tied = Linear8bitLt(IN, OUT, has_fp16_weights=False)
-    tied.weight = torch.nn.Parameter(torch.randn(OUT, IN))
+    tied.weight = torch.nn.Parameter(torch.randn(OUT, IN, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(RuntimeError, match="Loading a quantized checkpoint into non-quantized Linear8bitLt"):
         tied.load_state_dict(good)
 
