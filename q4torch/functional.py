@@ -16,6 +16,7 @@ import torch
 
 import q4
 from q4._src import formats
+from q4._src.quant_state import JSON_KEY_PREFIX
 from q4._src.quant_state import QuantState as _NpQuantState
 from q4torch._src import ops
 
@@ -64,7 +65,7 @@ class QuantState:
     """
 
     valid_quant_types = ("fp4", "nf4")
-    valid_qs_type_keys = [f"bitsandbytes__{x}" for x in valid_quant_types]
+    valid_qs_type_keys = [f"{JSON_KEY_PREFIX.split('.', 1)[1]}{x}" for x in valid_quant_types]
     valid_qs_keys = [
         "absmax",
         "quant_map",
@@ -95,7 +96,7 @@ class QuantState:
 
     def __getattr__(self, name):
         # FSDP-style traversal resolves the packed key "quant_state.bitsandbytes__nf4" by getattr.
-        if name.startswith("bitsandbytes__"):
+        if "quant_state." + name in [JSON_KEY_PREFIX + t for t in self.valid_quant_types]:
             packed = self.as_dict(packed=True)
             key = "quant_state." + name
             if key in packed:
@@ -180,7 +181,7 @@ class QuantState:
             return qs
         out = {k: v for k, v in qs.items() if isinstance(v, torch.Tensor)}
         meta = {k: (list(v) if isinstance(v, tuple) else v) for k, v in qs.items() if not isinstance(v, torch.Tensor)}
-        out["quant_state.bitsandbytes__" + self.quant_type] = torch.from_numpy(q4._src.quant_state.pack_json(meta))
+        out[JSON_KEY_PREFIX + self.quant_type] = torch.from_numpy(q4._src.quant_state.pack_json(meta))
         return out
 
     def to(self, device):

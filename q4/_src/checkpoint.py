@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from q4._src.formats import short_repr
-from q4._src.quant_state import QuantState, QuantStateError, is_json_int, strict_json_loads
+from q4._src.quant_state import JSON_KEY_PREFIX, QuantState, QuantStateError, is_json_int, strict_json_loads
 
-_JSON_KEY = ".weight.quant_state.bitsandbytes__"
+_JSON_KEY = ".weight." + JSON_KEY_PREFIX
 _HEADER_LIMIT = 100 << 20  # a header larger than 100 MiB is not a checkpoint
 _INT64_MAX = (1 << 63) - 1
 _MAX_RANK = 32  # numpy 1.x's limit (2.x: 64); no checkpoint tensor comes near it

@@ -52,7 +52,7 @@ from q4._src.checkpoint import (
     write_atomic,
 )
 from q4._src.formats import short_repr
-from q4._src.quant_state import QuantState, strict_json_loads
+from q4._src.quant_state import JSON_KEY_PREFIX, QuantState, strict_json_loads
 from q4._src.weights import dequantize_weight_4bit, dequantize_weight_int8, quantize_weight_4bit, quantize_weight_int8
 
 TYPES = ("nf4", "fp4", "int8")
@@ -196,7 +196,7 @@ def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Sha
             r = shard.reader
             entries, layer_meta = {}, {}
             for key in r.keys():
-                if ".quant_state.bitsandbytes__" in key or key.endswith("SCB"):
+                if "." + JSON_KEY_PREFIX in key or key.endswith("SCB"):
                     raise CheckpointError(f"{path}: tensor '{key}' shows the checkpoint is already quantized")
             for key in r.keys():
                 if key in seen:

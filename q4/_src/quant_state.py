@@ -24,7 +24,10 @@ import numpy as np
 from q4._src import formats
 from q4._src.formats import short_repr
 
-_JSON_PREFIX = "quant_state.bitsandbytes__"
+# The one spelling of a 4-bit state's JSON entry: "<weight>.quant_state.bitsandbytes__<nf4|fp4>"
+# (bitsandbytes' name). Internal API shared by q4, q4torch and q4jax.
+JSON_KEY_PREFIX = "quant_state.bitsandbytes__"
+_JSON_PREFIX = JSON_KEY_PREFIX
 
 
 class QuantStateError(ValueError):

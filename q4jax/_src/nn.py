@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 from q4 import checkpoint as q4_checkpoint
 from q4._src import formats
+from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
 from q4._src.quant_state import QuantState as NpQuantState
-from q4._src.quant_state import QuantStateError
 from q4._src.weights import quantize_weight_int8
 from q4jax._src import ffi
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
@@ -60,7 +60,7 @@ from q4jax._src.sharding import (
 
 logger = logging.getLogger("q4jax")
 
-_JSON_PREFIX = "quant_state.bitsandbytes__"
+_JSON_PREFIX = JSON_KEY_PREFIX
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # nnx.Linear's defaults

@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 import q4
+from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as F
 
 _QUANT_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
-_JSON_KEY = "quant_state.bitsandbytes__"
+_JSON_KEY = JSON_KEY_PREFIX
 
 
 class Params4bit(nn.Parameter):
