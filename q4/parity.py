@@ -198,15 +198,7 @@ def _stream_torch(torch, nn, layers, pool_size: int) -> None:
             with torch.no_grad():
                 buf.copy_(homes[i])
             w = module.weight
-            module.weight = nn.Params4bit(
-                buf,
-                quant_state=module.quant_state,
-                blocksize=w.blocksize,
-                quant_type=w.quant_type,
-                compress_statistics=w.compress_statistics,
-                module=module,
-                bnb_quantized=True,
-            )
+            module.weight = w.with_data(buf, quant_state=module.quant_state, module=module, bnb_quantized=True)
 
         return hook
 

@@ -201,17 +201,23 @@ class Params4bit(nn.Parameter):
             self.quant_state.to(device)
         # the packed bytes never change dtype: a dtype argument applies to float params only
         moved = super().to(device=device, dtype=None if self.bnb_quantized else dtype, non_blocking=non_blocking)
-        return Params4bit(
-            moved,
-            requires_grad=self.requires_grad,
-            quant_state=self.quant_state,
-            blocksize=self.blocksize,
-            compress_statistics=self.compress_statistics,
-            quant_type=self.quant_type,
-            quant_storage=self.quant_storage,
-            module=self.module,
-            bnb_quantized=self.bnb_quantized,
-        )
+        return self.with_data(moved)
+
+    def with_data(self, data: torch.Tensor, **changes: Any) -> Params4bit:
+        """A Params4bit over `data` with this one's attributes (those named in
+        `changes` replaced): the one place that lists them all."""
+        attrs = {
+            "requires_grad": self.requires_grad,
+            "quant_state": self.quant_state,
+            "blocksize": self.blocksize,
+            "compress_statistics": self.compress_statistics,
+            "quant_type": self.quant_type,
+            "quant_storage": self.quant_storage,
+            "module": self.module,
+            "bnb_quantized": self.bnb_quantized,
+        }
+        attrs.update(changes)
+        return Params4bit(data, **attrs)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -220,20 +226,7 @@ class Params4bit(nn.Parameter):
         if func in (torch.chunk, torch.split):
             src = args[0]
 
-            def wrap(t):
-                return cls(
-                    t,
-                    requires_grad=src.requires_grad,
-                    quant_state=src.quant_state,
-                    blocksize=src.blocksize,
-                    compress_statistics=src.compress_statistics,
-                    quant_type=src.quant_type,
-                    quant_storage=src.quant_storage,
-                    module=src.module,
-                    bnb_quantized=src.bnb_quantized,
-                )
-
-            return tuple(wrap(t) for t in result) if isinstance(result, tuple) else wrap(result)
+            return tuple(src.with_data(t) for t in result) if isinstance(result, tuple) else src.with_data(result)
         return result
 
 
@@ -438,16 +431,14 @@ class Linear4bit(nn.Linear):
                     )
                 was_quantized = getattr(self.weight, "bnb_quantized", False)
                 w = self.weight
-                self.weight = Params4bit(
+                self.weight = w.with_data(
                     data.detach().to(
                         device, dtype=torch.float32 if not data.is_floating_point() else data.dtype, copy=True
                     ),
                     requires_grad=False,
-                    blocksize=w.blocksize,
-                    compress_statistics=w.compress_statistics,
-                    quant_type=w.quant_type,
-                    quant_storage=w.quant_storage,
+                    quant_state=None,
                     module=self,
+                    bnb_quantized=False,
                 )
                 self.quant_state = None
                 if was_quantized:  # a float checkpoint into a quantized layer: quantize it the same way

@@ -145,10 +145,10 @@ void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int
     __m512i vh[R];
     for (int j = 0; j < R; ++j) vh[j] = _mm512_srli_epi32(v[j], 16);
     const float* xc = xt + c * 128;
-#define Q4_STEP(i, acc)                                                                                       \
-  {                                                                                                           \
-    const __m512 xv = _mm512_loadu_ps(xc + 16 * (i));                                                         \
-    for (int j = 0; j < R; ++j)                                                                               \
+#define Q4_STEP(i, acc)                                                                                    \
+  {                                                                                                        \
+    const __m512 xv = _mm512_loadu_ps(xc + 16 * (i));                                                      \
+    for (int j = 0; j < R; ++j)                                                                            \
       acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(nibbles<kShift[i]>(v[j], vh[j]), table), xv, acc[j]); \
   }
     Q4_STEP(0, a0)
@@ -161,8 +161,8 @@ void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int
     Q4_STEP(7, a1)
 #undef Q4_STEP
     for (int j = 0; j < R; ++j)
-      total[j] = _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales(sc, (((r0 + j) * k) >> 7) + c, shift),
-                                 total[j]);
+      total[j] =
+          _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales(sc, (((r0 + j) * k) >> 7) + c, shift), total[j]);
   }
   for (int j = 0; j < R; ++j)
     store_out(p.out, p.out_dtype, r0 + j, _mm512_reduce_add_ps(total[j]) + load_bias(p.bias, p.bias_dtype, r0 + j));
