@@ -35,7 +35,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from q4torch._src.linear4bit import _JSON_KEY, Linear4bit, Params4bit, _attach_quant_state
+from q4._src.quant_state import JSON_KEY_PREFIX
+from q4torch._src.linear4bit import Linear4bit, Params4bit, attach_quant_state
 
 __all__ = ["QuantStateLoadPlanner", "fully_shard"]
 
@@ -110,7 +111,7 @@ def fully_shard(module: nn.Module | list[nn.Module], **kwargs: Any):
     result = _torch_fully_shard(module, **kwargs)
     for _, layer in layers:
         if isinstance(layer.weight, DTensor):
-            _attach_quant_state(layer.weight, layer.quant_state)
+            attach_quant_state(layer.weight, layer.quant_state)
     return result
 
 
@@ -141,7 +142,7 @@ def _fit_json_entries(state_dict: dict, saved: dict, prefix: str) -> None:
         if isinstance(value, dict):
             _fit_json_entries(value, saved, fqn + ".")
             continue
-        if "." + _JSON_KEY not in "." + fqn or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        if "." + JSON_KEY_PREFIX not in "." + fqn or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
             continue
         md = saved.get(fqn)
         if isinstance(md, TensorStorageMetadata) and md.size != value.size() and md.properties.dtype == value.dtype:

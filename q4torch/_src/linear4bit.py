@@ -33,7 +33,6 @@ from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as F
 
 _QUANT_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
-_JSON_KEY = JSON_KEY_PREFIX
 
 
 class Params4bit(nn.Parameter):
@@ -266,7 +265,7 @@ _PROXIES = {
 }
 
 
-def _attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
+def attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
     """Let a parameter that is not a Params4bit carry the layer's QuantState
     (the same object: the layer's state stays the one source of truth)."""
     param.quant_state = quant_state
@@ -366,7 +365,7 @@ class Linear4bit(nn.Linear):
             )
         _check_packed(weight, quant_state, "weight")
         if weight.__dict__.get("quant_state") is not quant_state:
-            _attach_quant_state(weight, quant_state)
+            attach_quant_state(weight, quant_state)
         return weight, quant_state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -388,7 +387,7 @@ class Linear4bit(nn.Linear):
         else:  # a parameter installed by FSDP2 (a DTensor shard): the layer holds the state
             quant_state = self.quant_state
             if quant_state is not None:
-                _attach_quant_state(weight, quant_state)
+                attach_quant_state(weight, quant_state)
         if quant_state is not None:
             for key, value in quant_state.as_dict(packed=True).items():
                 destination[prefix + "weight." + key] = value if keep_vars else value.detach()
@@ -413,7 +412,7 @@ class Linear4bit(nn.Linear):
         try:
             if _is_dtensor(self.weight):
                 self._load_sharded(weight_key, data, stats)
-            elif any(k.startswith(_JSON_KEY) for k in stats):
+            elif any(k.startswith(JSON_KEY_PREFIX) for k in stats):
                 new = Params4bit.from_prequantized(data, stats, device=device, module=self)
                 self._check_state_shape(weight_key, new.quant_state)
                 self.weight = new
@@ -421,7 +420,7 @@ class Linear4bit(nn.Linear):
             elif quant_keys:
                 raise q4.QuantStateError(
                     f"'{weight_key}' has quantization entries {sorted(quant_keys)} but no "
-                    f"'{weight_key}.{_JSON_KEY}<nf4|fp4>' entry"
+                    f"'{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' entry"
                 )
             else:
                 if tuple(data.shape) != (self.out_features, self.in_features):
@@ -464,9 +463,9 @@ class Linear4bit(nn.Linear):
         bit). The QuantState is not sharded: every rank rebuilds it whole.
         """
         weight = self.weight
-        if not any(k.startswith(_JSON_KEY) for k in stats):
+        if not any(k.startswith(JSON_KEY_PREFIX) for k in stats):
             raise ValueError(
-                f"'{weight_key}' is sharded (FSDP) and the checkpoint has no '{weight_key}.{_JSON_KEY}<nf4|fp4>' "
+                f"'{weight_key}' is sharded (FSDP) and the checkpoint has no '{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' "
                 "entry: a sharded weight cannot be quantized, load float weights before fully_shard"
             )
         if not _is_dtensor(data):
@@ -486,40 +485,44 @@ class Linear4bit(nn.Linear):
             weight.copy_(data)
         self.quant_state = quant_state
         self.quant_storage = weight.dtype
-        _attach_quant_state(weight, quant_state)
+        attach_quant_state(weight, quant_state)
 
 
-class LinearFP4(Linear4bit):
+class _FixedQuantType(Linear4bit):
+    """Linear4bit with its quant_type fixed by the subclass (bitsandbytes'
+    LinearFP4 / LinearNF4 signatures)."""
+
+    QUANT_TYPE = ""
+
+    def __init__(
+        self,
+        input_features,
+        output_features,
+        bias=True,
+        compute_dtype=None,
+        compress_statistics=True,
+        quant_storage=torch.uint8,
+        device=None,
+    ):
+        super().__init__(
+            input_features,
+            output_features,
+            bias,
+            compute_dtype,
+            compress_statistics,
+            self.QUANT_TYPE,
+            quant_storage,
+            device,
+        )
+
+
+class LinearFP4(_FixedQuantType):
     """Linear4bit with FP4 codes."""
 
-    def __init__(
-        self,
-        input_features,
-        output_features,
-        bias=True,
-        compute_dtype=None,
-        compress_statistics=True,
-        quant_storage=torch.uint8,
-        device=None,
-    ):
-        super().__init__(
-            input_features, output_features, bias, compute_dtype, compress_statistics, "fp4", quant_storage, device
-        )
+    QUANT_TYPE = "fp4"
 
 
-class LinearNF4(Linear4bit):
+class LinearNF4(_FixedQuantType):
     """Linear4bit with NF4 codes (QLoRA's NormalFloat4)."""
 
-    def __init__(
-        self,
-        input_features,
-        output_features,
-        bias=True,
-        compute_dtype=None,
-        compress_statistics=True,
-        quant_storage=torch.uint8,
-        device=None,
-    ):
-        super().__init__(
-            input_features, output_features, bias, compute_dtype, compress_statistics, "nf4", quant_storage, device
-        )
+    QUANT_TYPE = "nf4"
