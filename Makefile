@@ -23,6 +23,7 @@ install: $(VENV)/.build-deps
 lint: install
 	$(BIN)/ruff check q4 q4torch q4jax tests examples benchmarks
 	$(BIN)/ruff format --check q4 q4torch q4jax tests examples benchmarks
+	$(BIN)/mypy
 	$(BIN)/clang-format --dry-run --Werror $(shell git ls-files 'kernels/*.h' 'kernels/*.cc' 'kernels/*.cu' 'kernels/*.cuh')
 
 bazel: install

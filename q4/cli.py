@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 _EPILOG_QUANTIZE = """\
 Every 2-D float32/float16/bfloat16 tensor named '*.weight' becomes a quantized
@@ -67,7 +68,7 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def table(header: list[str], rows: list[list], out=None) -> None:
+def table(header: list[str], rows: list[list[Any]] | list[Any], out=None) -> None:
     """A plain-text table; the first column is left-aligned, the rest right-aligned."""
     out = out or sys.stdout
     cells = [[str(h) for h in header]] + [[str(c) for c in r] for r in rows]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,7 @@ class TorchAdapter:
     def make(self, spec: Spec, w: np.ndarray, b: np.ndarray):
         torch = self.torch
         out_f, in_f = w.shape
+        layer: Any
         if spec.kind == "8bit":
             layer = self.nn.Linear8bitLt(in_f, out_f, has_fp16_weights=False, threshold=spec.threshold)
         else:

@@ -123,6 +123,7 @@ class QuantState:
         st.validate()
         state2 = offset = None
         if st.nested:
+            assert st.nested_offset is not None  # validate(): a nested state has its offset
             offset = torch.tensor(float(st.nested_offset), dtype=torch.float32, device=device)
             state2 = cls(
                 absmax=torch.from_numpy(np.array(st.nested_absmax)).to(device),
@@ -209,7 +210,7 @@ class QuantState:
             same = torch.equal(self.offset, other.offset) and self.state2 == other.state2
         return same
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _check_tensors(**named) -> None:
@@ -473,7 +474,7 @@ _PREPARED: dict[int, tuple] = {}
 
 def _prepared_key(qs: QuantState, B: torch.Tensor):
     a = qs.absmax
-    key = (B.data_ptr(), B.numel(), B.element_size(), B.is_contiguous(), qs.blocksize, qs.quant_type)
+    key: tuple[Any, ...] = (B.data_ptr(), B.numel(), B.element_size(), B.is_contiguous(), qs.blocksize, qs.quant_type)
     key += (tuple(qs.shape), qs.dtype, qs.nested, a.data_ptr(), a.numel(), a.dtype, a.is_contiguous())
     if qs.nested:
         s2, off = qs.state2, qs.offset
@@ -514,7 +515,11 @@ def _prepared_args(qs: QuantState, B: torch.Tensor):
     args = (n, k, scales)
     if key is not None:
         ident = id(qs)
-        _PREPARED[ident] = (weakref.ref(qs, lambda _, i=ident: _PREPARED.pop(i, None)), key, args)
+
+        def forget(_ref: weakref.ref, i: int = ident) -> None:
+            _PREPARED.pop(i, None)
+
+        _PREPARED[ident] = (weakref.ref(qs, forget), key, args)
     return args
 
 

@@ -28,6 +28,7 @@ import re
 import secrets
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -378,7 +379,7 @@ class Reader:
         file's pages are not kept mapped)."""
         dtype, shape, begin, end = self._entries[key]
         out = np.empty(shape, dtype)
-        buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")
+        buf = memoryview(out.reshape(-1).view(np.uint8)) if out.size else memoryview(b"")  # type: ignore[arg-type]
         pos, fd = 0, self._file.fileno()
         while pos < end - begin:
             n = os.preadv(fd, [buf[pos:]], self._start + begin + pos)
@@ -464,7 +465,7 @@ def remove_stale_temporaries(path) -> list[Path]:
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
     prefix = f".{path.name}{_TMP_TAG}"
-    removed = []
+    removed: list[Path] = []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(prefix)]
     except OSError:
@@ -541,7 +542,8 @@ def _through_temporary(path, fill, copy_stat_from=None) -> None:
     naming, mode and clean-up as Writer); with ``copy_stat_from``, its mode
     bits and times are copied first."""
     path = Path(path)
-    fd, tmp = _create_temporary(path)
+    fd, created = _create_temporary(path)
+    tmp: Path | None = created
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
             fill(f)
@@ -550,8 +552,8 @@ def _through_temporary(path, fill, copy_stat_from=None) -> None:
         if copy_stat_from is not None:
             import shutil
 
-            shutil.copystat(copy_stat_from, tmp)
-        _publish(tmp, path)
+            shutil.copystat(copy_stat_from, created)
+        _publish(created, path)
         tmp = None
     finally:
         os.close(fd)
@@ -649,6 +651,8 @@ class Writer:
 
     def publish(self) -> None:
         """Move the finished file to its destination."""
+        if self._tmp is None:
+            raise RuntimeError(f"{self.path}: this Writer was already published or aborted")
         _publish(self._tmp, self.path)
         self._tmp = None
         self._file.close()
@@ -675,7 +679,7 @@ def header_bound(entries: dict[str, tuple[str, tuple[int, ...], int]], metadata:
     """An upper bound on the header size of a file holding ``entries``
     (name -> (safetensors dtype, shape, upper bound on bytes))."""
     total = sum(n for _, _, n in entries.values())
-    header = {"__metadata__": metadata}
+    header: dict[str, Any] = {"__metadata__": metadata}
     for key, (dtype, shape, _) in entries.items():
         header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [total, total]}
     return len(json.dumps(header, separators=(",", ":")).encode("utf-8")) + 8

@@ -37,6 +37,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -178,7 +179,9 @@ def _plan_entries(reader: Reader, key: str, opts: Options) -> dict[str, tuple[st
     state = QuantState(opts.quant_type, opts.blocksize, shape, "bfloat16", np.zeros(nb, np.float32))
     if opts.nested:
         state.nested_absmax, state.nested_offset = np.zeros(1, np.float32), -2.2250738585072014e-308
-    entries = {f"{prefix}weight": ("U8", (formats.packed_bytes(n), 1), formats.packed_bytes(n))}
+    entries: dict[str, tuple[str, tuple[int, ...], int]] = {
+        f"{prefix}weight": ("U8", (formats.packed_bytes(n), 1), formats.packed_bytes(n))
+    }
     n2 = formats.num_blocks(nb, formats.nested_blocksize())
     for name, arr in state.to_dict().items():
         size = {"absmax": nb * (1 if opts.nested else 4), "nested_absmax": 4 * n2}.get(name, arr.nbytes)
@@ -188,13 +191,16 @@ def _plan_entries(reader: Reader, key: str, opts: Options) -> dict[str, tuple[st
 
 
 def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Shard], dict[str, str]]:
-    shards, skipped, seen = [], {}, {}
+    shards: list[_Shard] = []
+    skipped: dict[str, str] = {}
+    seen: dict[str, Path] = {}
     try:
         for path, out in zip(files, outs, strict=True):
             shard = _Shard(Reader(path), out, [])
             shards.append(shard)
             r = shard.reader
-            entries, layer_meta = {}, {}
+            entries: dict[str, tuple[str, tuple[int, ...], int]] = {}
+            layer_meta: dict[str, dict[str, Any]] = {}
             for key in r.keys():
                 if "." + JSON_KEY_PREFIX in key or key.endswith("SCB"):
                     raise CheckpointError(f"{path}: tensor '{key}' shows the checkpoint is already quantized")
@@ -346,10 +352,11 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             out_index.unlink(missing_ok=True)
         for w in writers:
             w.publish()
-        for rel in extras:
-            if (outs[0].parent / rel).resolve() != (src_dir / rel).resolve():
+        for rel in extras:  # (only with a source directory)
+            src_file = Path(cast(Path, src_dir), rel)
+            if (outs[0].parent / rel).resolve() != src_file.resolve():
                 (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
-                copy_atomic(src_dir / rel, outs[0].parent / rel)
+                copy_atomic(src_file, outs[0].parent / rel)
         if out_index is not None:
             _write_index(out_index, weight_map, sum(w.size for w in writers))
     finally:

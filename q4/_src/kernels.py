@@ -317,7 +317,7 @@ def _state_scales(state) -> tuple:
     if state.nested:
         codes = np.ascontiguousarray(state.absmax, np.uint8)
         absmax2 = np.ascontiguousarray(state.nested_absmax, np.float32)
-        keep = (codes, absmax2)
+        keep: tuple[np.ndarray, ...] = (codes, absmax2)
         args = scales_args(
             None, codes.ctypes.data, absmax2.ctypes.data, absmax2.size, None, state.nested_offset, codes.size
         )

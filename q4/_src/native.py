@@ -11,6 +11,7 @@ import ctypes
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 _LIB_NAME = "libq4.so"
 _EXPECTED_ABI = 1
@@ -41,7 +42,7 @@ _f32p = ctypes.POINTER(ctypes.c_float)
 _i32p = ctypes.POINTER(ctypes.c_int32)
 
 # name -> (restype, argtypes)
-_SIGNATURES = {
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_last_error": (ctypes.c_char_p, []),
     "q4_abi_version": (c_int32, []),
     "q4_has_cuda": (c_int32, []),

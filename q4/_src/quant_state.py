@@ -82,10 +82,9 @@ class QuantState:
                     f"nested_blocksize must be {formats.nested_blocksize()}, got {self.nested_blocksize}"
                 )
             n2 = formats.num_blocks(self.n_blocks, self.nested_blocksize)
-            if self.nested_absmax.dtype != np.float32 or self.nested_absmax.size != n2:
-                raise QuantStateError(
-                    f"nested_absmax must be float32[{n2}], got {self.nested_absmax.dtype}[{self.nested_absmax.size}]"
-                )
+            na = np.asarray(self.nested_absmax)
+            if na.dtype != np.float32 or na.size != n2:
+                raise QuantStateError(f"nested_absmax must be float32[{n2}], got {na.dtype}[{na.size}]")
             if self.nested_offset is None or not math.isfinite(float(self.nested_offset)):
                 raise QuantStateError(f"nested_offset must be a finite number, got {self.nested_offset!r}")
         return self
@@ -103,7 +102,7 @@ class QuantState:
             d.update(
                 nested_blocksize=int(self.nested_blocksize),
                 nested_dtype="float32",
-                nested_offset=float(self.nested_offset),
+                nested_offset=float(self.nested_offset),  # type: ignore[arg-type]  # nested: validated
             )
         return d
 
@@ -111,7 +110,7 @@ class QuantState:
         """The checkpoint entries of this state (keys without the weight prefix)."""
         out = {"absmax": self.absmax, "quant_map": formats.code_table(self.quant_type).copy()}
         if self.nested:
-            out["nested_absmax"] = self.nested_absmax
+            out["nested_absmax"] = np.asarray(self.nested_absmax)
             out["nested_quant_map"] = formats.code_table("dynamic").copy()
         out[_JSON_PREFIX + self.quant_type] = pack_json(self.json_dict())
         return out

@@ -38,7 +38,7 @@ def state_absmax(state: QuantState) -> np.ndarray:
         state.nested_absmax,
         state.nested_blocksize,
         code=formats.code_table("dynamic"),
-        offset=float(state.nested_offset),
+        offset=float(state.nested_offset),  # type: ignore[arg-type]  # nested: validated
     )
 
 

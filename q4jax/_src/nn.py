@@ -309,7 +309,14 @@ class Linear4bit(_QuantLinear):
                 )
                 return None
             w = _device_copy(data)
-            return lambda: (self.set_weight(w), bias_apply and bias_apply(), self._place_bias(self.sharding))
+
+            def apply_float() -> None:
+                self.set_weight(w)
+                if bias_apply:
+                    bias_apply()
+                self._place_bias(self.sharding)
+
+            return apply_float
         try:
             st = NpQuantState.from_dict({k[len(k_w) + 1 :]: d[k] for k in quant_keys})
         except (QuantStateError, ValueError, TypeError) as e:
@@ -335,7 +342,7 @@ class Linear4bit(_QuantLinear):
         if packed.shape[0] != want:
             errs.append(f"'{k_w}' holds {packed.shape[0]} bytes, its quant_state shape {tuple(st.shape)} needs {want}")
             return None
-        packed = _device_copy(packed)
+        packed_dev = _device_copy(packed)
         st = NpQuantState(
             st.quant_type,
             st.blocksize,
@@ -350,7 +357,7 @@ class Linear4bit(_QuantLinear):
 
         def apply():
             self.quant_type, self.blocksize, self.compress_statistics = st.quant_type, st.blocksize, st.nested
-            p, s = (packed, state) if self.sharding is None else shard_4bit(packed, state, self.sharding)
+            p, s = (packed_dev, state) if self.sharding is None else shard_4bit(packed_dev, state, self.sharding)
             self.weight.set_value(p)
             self.quant_state.set_value(s)
             if bias_apply:
@@ -412,8 +419,8 @@ class Linear8bit(_QuantLinear):
                 f"weight must have shape (out_features, in_features) = {(self.out_features, self.in_features)}, "
                 f"got {w.shape}"
             )
-        cb, scb = quantize_weight_int8(w)
-        cb, scb = jnp.asarray(cb), jnp.asarray(scb)
+        cb_host, scb_host = quantize_weight_int8(w)
+        cb, scb = jnp.asarray(cb_host), jnp.asarray(scb_host)
         if self.sharding is not None:
             cb, scb = shard_8bit(cb, scb, self.sharding)
         self.weight.set_value(cb)
@@ -499,10 +506,10 @@ class Linear8bit(_QuantLinear):
                 return None
             if len(errs) > n:
                 return None
-            cb, scb = _device_copy(w), _device_copy(scb, np.float32)
+            cb_dev, scb_dev = _device_copy(w), _device_copy(scb, np.float32)
 
             def apply():
-                c, s = (cb, scb) if self.sharding is None else shard_8bit(cb, scb, self.sharding)
+                c, s = (cb_dev, scb_dev) if self.sharding is None else shard_8bit(cb_dev, scb_dev, self.sharding)
                 self.weight.set_value(c)
                 self.SCB.set_value(s)
                 if bias_apply:
@@ -514,8 +521,15 @@ class Linear8bit(_QuantLinear):
             if k_scb in d:
                 errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
                 return None
-            w = _host_copy(w)
-            return lambda: (self.set_weight(w), bias_apply and bias_apply(), self._place_bias(self.sharding))
+            w_host = _host_copy(w)
+
+            def apply_float() -> None:
+                self.set_weight(w_host)
+                if bias_apply:
+                    bias_apply()
+                self._place_bias(self.sharding)
+
+            return apply_float
         errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
         return None
 
@@ -746,7 +760,7 @@ def shard_model(
         targets.insert(0, ((), module))
     errs: list[str] = []
     used: set[str] = set()
-    chosen: dict[int, tuple[str, str, nnx.Module]] = {}
+    chosen: dict[int, tuple[str, str, Any]] = {}
     for path, layer in targets:
         name = _name(path) or "<root>"
         hits = [p for p in rules if _rule_matches(p, name, path)]
@@ -796,7 +810,7 @@ def shard_model(
 _LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
 
 
-def _layers(module) -> list[tuple[str, nnx.Module]]:
+def _layers(module) -> list[tuple[str, Any]]:
     return [(_name(p) + ".", child) for p, _, _, child in _edges(module) if isinstance(child, _LINEAR_TYPES)]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -144,10 +145,9 @@ def check_state(packed, state: QuantState) -> None:
         )
     if state.nested:
         n2 = formats.num_blocks(nb, formats.nested_blocksize())
-        if state.nested_absmax.size != n2 or state.nested_absmax.dtype != jnp.float32:
-            raise ValueError(
-                f"nested_absmax must be float32[{n2}], got {state.nested_absmax.dtype}[{state.nested_absmax.size}]"
-            )
+        na: Any = state.nested_absmax
+        if na.size != n2 or na.dtype != jnp.float32:
+            raise ValueError(f"nested_absmax must be float32[{n2}], got {na.dtype}[{na.size}]")
         off = state.nested_offset
         if off is None or jnp.size(off) != 1 or jnp.asarray(off).dtype != jnp.float32:
             raise ValueError(

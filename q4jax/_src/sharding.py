@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -300,7 +301,8 @@ def unshard_4bit(packed: jax.Array, state: QuantState) -> tuple[jax.Array, Quant
     packed = _unplaced(packed).reshape(-1, 1)
     state = jax.tree.map(lambda a: _unplaced(a).reshape(-1), state)
     if state.nested:
-        state = dataclasses.replace(state, nested_offset=state.nested_offset.reshape(()))
+        offset: Any = state.nested_offset
+        state = dataclasses.replace(state, nested_offset=offset.reshape(()))
     return packed, state
 
 

@@ -110,7 +110,7 @@ def fully_shard(module: nn.Module | list[nn.Module], **kwargs: Any):
         _check_layer(name, layer, kwargs.get("mp_policy"), kwargs.get("shard_placement_fn"))
     result = _torch_fully_shard(module, **kwargs)
     for _, layer in layers:
-        if isinstance(layer.weight, DTensor):
+        if isinstance(layer.weight, DTensor) and layer.quant_state is not None:  # (checked quantized above)
             attach_quant_state(layer.weight, layer.quant_state)
     return result
 

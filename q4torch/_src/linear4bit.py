@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,14 @@ class Params4bit(nn.Parameter):
     :meth:`quantize`. Before that it holds the float weight; after, the packed
     bytes ``(ceil(n*k/2), 1)`` viewed as ``quant_storage``, with ``quant_state``.
     """
+
+    blocksize: int
+    compress_statistics: bool
+    quant_type: str
+    quant_state: F.QuantState | None
+    quant_storage: torch.dtype
+    bnb_quantized: bool
+    module: Linear4bit | None
 
     def __new__(
         cls,
@@ -189,7 +197,7 @@ class Params4bit(nn.Parameter):
     def cpu(self):
         return self.to(device="cpu")
 
-    def cuda(self, device=None, non_blocking: bool = False):
+    def cuda(self, device=None, non_blocking: bool = False):  # type: ignore[override]
         return self.to(device="cuda" if device is None else device, non_blocking=non_blocking)
 
     def to(self, *args, **kwargs):
@@ -205,7 +213,7 @@ class Params4bit(nn.Parameter):
     def with_data(self, data: torch.Tensor, **changes: Any) -> Params4bit:
         """A Params4bit over `data` with this one's attributes (those named in
         `changes` replaced): the one place that lists them all."""
-        attrs = {
+        attrs: dict[str, Any] = {
             "requires_grad": self.requires_grad,
             "quant_state": self.quant_state,
             "blocksize": self.blocksize,
@@ -268,12 +276,16 @@ _PROXIES = {
 def attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
     """Let a parameter that is not a Params4bit carry the layer's QuantState
     (the same object: the layer's state stays the one source of truth)."""
-    param.quant_state = quant_state
-    param.quant_type = quant_state.quant_type
-    param.blocksize = quant_state.blocksize
-    param.compress_statistics = quant_state.nested
-    param.quant_storage = param.dtype
-    param.bnb_quantized = True
+    attrs = {
+        "quant_state": quant_state,
+        "quant_type": quant_state.quant_type,
+        "blocksize": quant_state.blocksize,
+        "compress_statistics": quant_state.nested,
+        "quant_storage": param.dtype,
+        "bnb_quantized": True,
+    }
+    for name, value in attrs.items():
+        setattr(param, name, value)
     for name, get in _PROXIES.items():
         value = get(quant_state)
         if value is not None:
@@ -291,6 +303,8 @@ class Linear4bit(nn.Linear):
     dtype (or ``compute_dtype`` when given) and returns the input's dtype;
     gradients flow to the input and the bias.
     """
+
+    quant_state: F.QuantState | None
 
     def __init__(
         self,
@@ -351,9 +365,10 @@ class Linear4bit(nn.Linear):
                 "quantize the layer (or load a quantized checkpoint) before wrapping it"
             )
         if _is_dtensor(weight):
+            shard: Any = weight
             raise RuntimeError(
-                f"Linear4bit weight is a DTensor shard (placements {tuple(weight.placements)}, local shape "
-                f"{tuple(weight.to_local().shape)}): run the forward through the module fully_shard was applied "
+                f"Linear4bit weight is a DTensor shard (placements {tuple(shard.placements)}, local shape "
+                f"{tuple(shard.to_local().shape)}): run the forward through the module fully_shard was applied "
                 "to, or unshard() it first"
             )
         if weight.dtype != self.quant_storage:
@@ -366,7 +381,7 @@ class Linear4bit(nn.Linear):
         _check_packed(weight, quant_state, "weight")
         if weight.__dict__.get("quant_state") is not quant_state:
             attach_quant_state(weight, quant_state)
-        return weight, quant_state
+        return weight, cast(F.QuantState, quant_state)  # checked not None above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, quant_state = self.packed_weight()

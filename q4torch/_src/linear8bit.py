@@ -36,7 +36,7 @@ Differences from bitsandbytes 0.50.2, all deliberate fixes:
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -77,6 +77,10 @@ class Int8Params(nn.Parameter):
     aliases it and ``SCB`` holds the fp32 row absmax [out].
     """
 
+    CB: torch.Tensor | None
+    SCB: torch.Tensor | None
+    has_fp16_weights: bool
+
     def __new__(
         cls,
         data: torch.Tensor | None = None,
@@ -98,7 +102,7 @@ class Int8Params(nn.Parameter):
 
     def _quantize(self, device) -> Int8Params:
         if self.has_fp16_weights:
-            return super().to(device)
+            return cast(Int8Params, super().to(device))
         CB, SCB = _quantize_weight(self.data.to(device))
         if self.requires_grad:  # an int8 tensor cannot require grad
             self.requires_grad_(False)
@@ -110,7 +114,7 @@ class Int8Params(nn.Parameter):
     def cpu(self):
         return self.to(device="cpu")
 
-    def cuda(self, device=None, non_blocking: bool = False):
+    def cuda(self, device=None, non_blocking: bool = False):  # type: ignore[override]
         return self.to(device="cuda" if device is None else device, non_blocking=non_blocking)
 
     def to(self, *args, **kwargs):
@@ -208,7 +212,7 @@ class MatmulLtState:
             and (self.SCB is None or torch.equal(self.SCB, other.SCB))
         )
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self):
         cb = None if self.CB is None else tuple(self.CB.shape)

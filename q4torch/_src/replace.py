@@ -29,6 +29,7 @@ def _quantized(linear: nn.Linear, quant_type, compute_dtype, blocksize, compress
 
     device = linear.weight.device
     weight = linear.weight.detach()
+    new: Linear8bitLt | Linear4bit
     if quant_type == "int8":
         new = Linear8bitLt(
             linear.in_features,
@@ -40,7 +41,7 @@ def _quantized(linear: nn.Linear, quant_type, compute_dtype, blocksize, compress
         )
         new.weight = Int8Params(weight.clone(), requires_grad=False, has_fp16_weights=False)
     else:
-        new = Linear4bit(
+        new = new4 = Linear4bit(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
@@ -55,7 +56,7 @@ def _quantized(linear: nn.Linear, quant_type, compute_dtype, blocksize, compress
             blocksize=blocksize,
             compress_statistics=compress_statistics,
             quant_type=quant_type,
-            module=new,
+            module=new4,
         )
     if linear.bias is not None:
         new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
