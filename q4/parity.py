@@ -1,8 +1,8 @@
-"""Parity adapters: one small interface over each framework's quantized
-layer, so a parity check is written once and run for q4torch and q4jax. The
-test suite (tests/parity) and user-facing parity checks share them.
-Everything crosses the interface as numpy arrays; each adapter imports its
-framework only when constructed.
+"""`q4 parity`: a checkpoint's quantized layers loaded into q4torch and q4jax
+through one small adapter interface per front end (q4torch/_src/parity.py,
+q4jax/_src/parity.py, found by module name: q4/ imports neither front end),
+their bytes, outputs and input gradients compared with an fp64 reference.
+Everything crosses the interface as numpy arrays.
 
 A layer spec: kind ('4bit' | '8bit'), quant_type, nested, blocksize,
 threshold; weights W [out, in] fp32 and bias [out] fp32.
@@ -10,9 +10,7 @@ threshold; weights W [out, in] fp32 and bias [out] fp32.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -32,183 +30,18 @@ class Spec:
         return f"{self.quant_type}-{'nested' if self.nested else 'plain'}-bs{self.blocksize}"
 
 
-class TorchAdapter:
-    name = "q4torch"
-
-    def __init__(self):
-        import torch
-
-        import q4torch.nn as qnn
-
-        self.torch, self.nn = torch, qnn
-
-    def make(self, spec: Spec, w: np.ndarray, b: np.ndarray):
-        torch = self.torch
-        out_f, in_f = w.shape
-        layer: Any
-        if spec.kind == "8bit":
-            layer = self.nn.Linear8bitLt(in_f, out_f, has_fp16_weights=False, threshold=spec.threshold)
-        else:
-            layer = self.nn.Linear4bit(in_f, out_f, quant_type=spec.quant_type, compress_statistics=spec.nested)
-            layer.weight = self.nn.Params4bit(
-                torch.from_numpy(w.copy()),
-                blocksize=spec.blocksize,
-                compress_statistics=spec.nested,
-                quant_type=spec.quant_type,
-                module=layer,
-            )
-        if spec.kind == "8bit":
-            layer.weight.data = torch.from_numpy(w.copy())
-        layer.bias.data = torch.from_numpy(b.copy())
-        return layer.to("cpu")
-
-    def forward(self, layer, x: np.ndarray) -> np.ndarray:
-        with self.torch.no_grad():
-            return layer(self._t(x)).float().numpy()
-
-    def input_grad(self, layer, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-        xt = self._t(x).requires_grad_()
-        layer(xt).backward(self._t(g))
-        return xt.grad.float().numpy()
-
-    def state(self, layer) -> dict[str, np.ndarray]:
-        return {k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
-
-    def load(self, layer, state: dict[str, np.ndarray]) -> None:
-        layer.load_state_dict({k: self.torch.from_numpy(np.array(v)) for k, v in state.items()})
-
-    def clone(self, layer):
-        return copy.deepcopy(layer)
-
-    def set_weight(self, layer, spec: Spec, w: np.ndarray) -> None:
-        """Re-quantize the layer in place from new float weights."""
-        fresh = self.make(spec, w, self.state(layer)["bias"])
-        self.load(layer, self.state(fresh))
-
-    def upstream_grad(self, spec, weights, upstream, x, pool_size):
-        """Gradient of an upstream vector through a stack of square layers (one
-        per (w, b) in `weights`) under activation checkpointing; with
-        `pool_size`, the layers' packed bytes are streamed through a recycled
-        buffer pool (a fresh weight bound to the next buffer on every call)."""
-        torch = self.torch
-        from torch.utils.checkpoint import checkpoint
-
-        layers = [self.make(spec, w, b) for w, b in weights]
-        if pool_size:
-            _stream_torch(torch, self.nn, layers, pool_size)
-        u = torch.nn.Parameter(torch.from_numpy(upstream.copy()))
-        h = self._t(x) * u
-        for layer in layers:
-            h = torch.tanh(checkpoint(layer, h, use_reentrant=False))
-        (h**2).sum().backward()
-        return u.grad.numpy()
-
-    def _t(self, x: np.ndarray):
-        if x.dtype.name == "bfloat16":
-            return self.torch.from_numpy(x.view(np.uint16).copy()).view(self.torch.bfloat16)
-        return self.torch.from_numpy(x.copy())
+# Each front end provides its adapter as `Adapter` in the module named here;
+# q4/ imports neither front end itself (the modules are loaded on first use).
+ADAPTER_MODULES = {"q4torch": "q4torch._src.parity", "q4jax": "q4jax._src.parity"}
 
 
-class JaxAdapter:
-    name = "q4jax"
+def adapter(name: str):
+    """The `q4 parity` adapter of front end `name` ('q4torch' or 'q4jax')."""
+    import importlib
 
-    def __init__(self):
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        import q4jax
-
-        self.jax, self.jnp, self.nnx, self.q4jax = jax, jnp, nnx, q4jax
-
-    def make(self, spec: Spec, w: np.ndarray, b: np.ndarray):
-        nn, nnx = self.q4jax.nn, self.nnx
-        out_f, in_f = w.shape
-        if spec.kind == "8bit":
-            layer = nn.Linear8bit(in_f, out_f, threshold=spec.threshold, rngs=nnx.Rngs(0))
-        else:
-            layer = nn.Linear4bit(
-                in_f,
-                out_f,
-                quant_type=spec.quant_type,
-                blocksize=spec.blocksize,
-                compress_statistics=spec.nested,
-                rngs=nnx.Rngs(0),
-            )
-        layer.set_weight(self.jnp.asarray(w))
-        self.q4jax.load_state_dict(layer, {**self.state(layer), "bias": b})
-        return layer
-
-    def forward(self, layer, x: np.ndarray) -> np.ndarray:
-        return np.asarray(layer(self.jnp.asarray(x)), np.float32)
-
-    def input_grad(self, layer, x: np.ndarray, g: np.ndarray) -> np.ndarray:
-        _, vjp = self.jax.vjp(lambda a: layer(a), self.jnp.asarray(x))
-        return np.asarray(vjp(self.jnp.asarray(g))[0], np.float32)
-
-    def state(self, layer) -> dict[str, np.ndarray]:
-        return self.q4jax.state_dict(layer)
-
-    def load(self, layer, state: dict[str, np.ndarray]) -> None:
-        self.q4jax.load_state_dict(layer, state)
-
-    def clone(self, layer):
-        return self.nnx.clone(layer)
-
-    def set_weight(self, layer, spec: Spec, w: np.ndarray) -> None:
-        layer.set_weight(self.jnp.asarray(w))
-
-    def upstream_grad(self, spec, weights, upstream, x, pool_size):
-        """Gradient of an upstream vector through a stack of square layers (one
-        per (w, b) in `weights`) under activation checkpointing; with
-        `pool_size`, the layers' packed bytes are streamed through a recycled
-        buffer pool (a fresh weight bound to the next buffer on every call)."""
-        jax, jnp = self.jax, self.jnp
-        layers = [self.make(spec, w, b) for w, b in weights]
-        packed = jnp.stack([layer.weight.get_value() for layer in layers])
-        state = jax.tree.map(lambda *a: jnp.stack(a), *[layer.quant_state.get_value() for layer in layers])
-        bias = jnp.stack([layer.bias.get_value() for layer in layers])
-        pool_n = pool_size or 1
-
-        def body(carry, layer):
-            h, pool, step = carry
-            p, s, b = layer
-            if pool_size:  # the streaming copy into the next pool slot, read back for use
-                pool = jax.lax.dynamic_update_index_in_dim(pool, p, step % pool_n, 0)
-                p = jax.lax.dynamic_index_in_dim(pool, step % pool_n, 0, keepdims=False)
-            return (jnp.tanh(self.q4jax.matmul_4bit(h, p, s, b)), pool, step + 1), None
-
-        def loss(u):
-            pool = jnp.zeros((pool_n,) + packed.shape[1:], packed.dtype)
-            (h, _, _), _ = jax.lax.scan(jax.checkpoint(body), (jnp.asarray(x) * u, pool, 0), (packed, state, bias))
-            return (h**2).sum()
-
-        return np.asarray(jax.jit(jax.grad(loss))(jnp.asarray(upstream)))
-
-
-def _stream_torch(torch, nn, layers, pool_size: int) -> None:
-    """Streaming caller: each forward copies the layer's packed bytes into the
-    next buffer of a round-robin pool and binds a fresh weight to it."""
-    homes = [layer.weight.data.clone() for layer in layers]
-    buffers = [torch.empty_like(homes[0]) for _ in range(pool_size)]
-    calls = [0]
-
-    def make_hook(i):
-        def hook(module, args):
-            buf = buffers[calls[0] % pool_size]
-            calls[0] += 1
-            with torch.no_grad():
-                buf.copy_(homes[i])
-            w = module.weight
-            module.weight = w.with_data(buf, quant_state=module.quant_state, module=module, bnb_quantized=True)
-
-        return hook
-
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(make_hook(i))
-
-
-ADAPTERS = {"q4torch": TorchAdapter, "q4jax": JaxAdapter}
+    if name not in ADAPTER_MODULES:
+        raise ValueError(f"unknown front end {name!r}; choose from {', '.join(ADAPTER_MODULES)}")
+    return importlib.import_module(ADAPTER_MODULES[name]).Adapter()
 
 
 # ------------------------------------------------------------ file checks
@@ -308,7 +141,7 @@ def check_file(path, *, batch: int = 4, seed: int = 0, layers=None, progress=Non
     check_layer); ``layers`` restricts the check to these layer names."""
     from q4._src.checkpoint import Reader, validate
 
-    adapters = [TorchAdapter(), JaxAdapter()]
+    adapters = [adapter(name) for name in ADAPTER_MODULES]
     with Reader(path) as r:
         views = {k: r.view(k) for k in r.keys()}
         metas = validate(views)

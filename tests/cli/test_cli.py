@@ -173,20 +173,21 @@ def test_quantize_inspect_parity(source, tmp_path, capsys, argv, fmt):
 def test_parity_detects_a_wrong_framework(source, tmp_path, capsys, monkeypatch):
     """The parity command can fail: a framework whose outputs are off by more
     than the fp32 bound, or whose state bytes differ from the file."""
-    import q4.parity
+    from q4jax._src.parity import Adapter as JaxParity
+    from q4torch._src.parity import Adapter as TorchParity
 
     src, _ = source
     out = tmp_path / "q.safetensors"
     assert main(["quantize", str(src), str(out)]) == 0
-    forward = q4.parity.JaxAdapter.forward
-    monkeypatch.setattr(q4.parity.JaxAdapter, "forward", lambda self, layer, x: forward(self, layer, x) * 1.001)
+    forward = JaxParity.forward
+    monkeypatch.setattr(JaxParity, "forward", lambda self, layer, x: forward(self, layer, x) * 1.001)
     capsys.readouterr()
     assert main(["parity", str(out), "--layer", "head"]) == 1
     rows = _rows(capsys.readouterr().out, "layer")
     assert rows["head"][-1] == "FAIL" and rows["head"][1] == "yes"
     monkeypatch.undo()
 
-    state = q4.parity.TorchAdapter.state
+    state = TorchParity.state
 
     def flipped(self, layer):
         s = state(self, layer)
@@ -194,7 +195,7 @@ def test_parity_detects_a_wrong_framework(source, tmp_path, capsys, monkeypatch)
         s["weight"].reshape(-1)[0] ^= 1
         return s
 
-    monkeypatch.setattr(q4.parity.TorchAdapter, "state", flipped)
+    monkeypatch.setattr(TorchParity, "state", flipped)
     assert main(["parity", str(out), "--layer", "head"]) == 1
     rows = _rows(capsys.readouterr().out, "layer")
     assert rows["head"][1] == "NO" and rows["head"][-1] == "FAIL"

@@ -7,10 +7,11 @@ import weakref
 
 import numpy as np
 import pytest
+from parity.adapters import ADAPTERS
 from reference import inputs
 from reference.matmul import check_against_baseline
 
-from q4.parity import ADAPTERS, Spec
+from q4.parity import Spec
 
 SPECS = [
     Spec("4bit", "nf4", True, 64),
