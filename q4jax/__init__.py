@@ -1,8 +1,10 @@
 """q4jax: the JAX front end of q4 (XLA FFI custom calls into the shared kernels)."""
 
 from q4jax import nn
+from q4jax._src.checkpoint import load_quantized, load_state_dict, state_dict
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
-from q4jax._src.nn import load_quantized, load_state_dict, quantize_model, shard_model, state_dict
+from q4jax._src.model import quantize_model
+from q4jax._src.model_sharding import shard_model
 from q4jax._src.quant import (
     QuantState,
     dequantize_4bit,

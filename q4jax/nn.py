@@ -1,15 +1,9 @@
 """q4jax.nn: flax.nnx layers on the shared kernels, and the checkpoint and sharding helpers."""
 
-from q4jax._src.nn import (
-    Linear4bit,
-    Linear8bit,
-    QuantStateVar,
-    load_quantized,
-    load_state_dict,
-    quantize_model,
-    shard_model,
-    state_dict,
-)
+from q4jax._src.checkpoint import load_quantized, load_state_dict, state_dict
+from q4jax._src.layers import Linear4bit, Linear8bit, QuantStateVar
+from q4jax._src.model import quantize_model
+from q4jax._src.model_sharding import shard_model
 
 __all__ = [
     "Linear4bit",

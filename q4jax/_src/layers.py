@@ -1,5 +1,6 @@
-"""flax.nnx layers on the shared kernels: Linear4bit, Linear8bit, quantize_model,
-and state_dict / load_state_dict in the q4torch / bitsandbytes checkpoint format.
+"""flax.nnx layers on the shared kernels: Linear4bit and Linear8bit, with their
+own checkpoint entries (model-level quantize_model in model.py, shard_model in
+model_sharding.py, state_dict / load_state_dict in checkpoint.py).
 
 Layout follows PyTorch / bitsandbytes: the quantized matrix is
 W [out_features, in_features] (nnx.Linear's kernel [in, out] transposed), so a
@@ -22,19 +23,13 @@ stale.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-import os
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from q4 import checkpoint as q4_checkpoint
 from q4._src import formats
@@ -47,8 +42,6 @@ from q4jax._src.quant import QuantState, quantize_4bit
 from q4jax._src.sharding import (
     LinearSharding,
     check_4bit,
-    check_8bit,
-    check_features,
     place_bias,
     shard_4bit,
     shard_8bit,
@@ -550,7 +543,7 @@ def _plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
     return lambda: layer.bias.set_value(new)
 
 
-def _plan_linear(layer: nnx.Linear, d: dict, prefix: str, errs: list[str], used: set[str]):
+def plan_dense_load(layer: nnx.Linear, d: dict, prefix: str, errs: list[str], used: set[str]):
     """A dense nnx.Linear under the torch key convention: weight = kernel.T."""
     k_w = prefix + "weight"
     bias_apply = _plan_bias(layer, d, prefix, errs, used)
@@ -567,350 +560,8 @@ def _plan_linear(layer: nnx.Linear, d: dict, prefix: str, errs: list[str], used:
     return lambda: (layer.kernel.set_value(kernel), bias_apply and bias_apply())
 
 
-def _linear_entries(layer: nnx.Linear) -> dict[str, np.ndarray]:
+def dense_entries(layer: nnx.Linear) -> dict[str, np.ndarray]:
     out = {"weight": _host_copy(np.asarray(layer.kernel.get_value()).T)}
     if layer.bias is not None:
         out["bias"] = _host_copy(layer.bias.get_value())
     return out
-
-
-# ------------------------------------------------------------------ graph walking
-
-
-def _children(node) -> Iterator[tuple[Any, Any]]:
-    impl = graphlib.get_node_impl(node)
-    if impl is None:
-        return
-    for key, child in impl.node_dict(node).items():
-        if isinstance(key, str) and key.startswith("_"):
-            continue  # nnx internals (_pytree__state, _length, ...)
-        yield key, child
-
-
-def _edges(root) -> Iterator[tuple[tuple, Any, Any, Any]]:
-    """(path, parent, key, child) for every edge to a Module below root, in
-    attribute order; a module reachable by several paths is yielded once per
-    path (as torch's state_dict does), but its subtree is walked once per path
-    only while no cycle is formed."""
-
-    def walk(node, path, on_stack):
-        for key, child in _children(node):
-            if isinstance(child, nnx.Variable) or not graphlib.is_node(child):
-                continue
-            if id(child) in on_stack:
-                continue
-            p = (*path, key)
-            if isinstance(child, nnx.Module):
-                yield p, node, key, child
-            yield from walk(child, p, on_stack | {id(child)})
-
-    yield from walk(root, (), frozenset({id(root)}))
-
-
-def _name(path: tuple) -> str:
-    return ".".join(str(k) for k in path)
-
-
-def _set_child(parent, key, value) -> None:
-    if isinstance(parent, (nnx.List, nnx.Dict, list, dict)):
-        parent[key] = value
-    else:
-        setattr(parent, key, value)
-
-
-def _check_graph_root(module, what: str) -> None:
-    if not isinstance(module, nnx.Module):
-        raise TypeError(f"{what} expects an nnx.Module, got {type(module).__name__}")
-
-
-_KINDS = ("nf4", "fp4", "int8")
-
-
-def quantize_model(
-    module: nnx.Module,
-    quant_type: str = "nf4",
-    *,
-    blocksize: int = 64,
-    compress_statistics: bool = True,
-    compute_dtype=None,
-    threshold: float = 0.0,
-    skip: tuple[str, ...] = ("lm_head",),
-) -> nnx.Module:
-    """Replace every nnx.Linear below ``module`` in place with a Linear4bit
-    (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
-
-    A Linear whose dotted path (torch-style, e.g. ``layers.0.attn.q``) equals an
-    entry of ``skip`` or has it as one of its components is left dense. A Linear
-    reachable by several paths is replaced by one shared quantized layer. Each
-    replacement is logged on the "q4jax" logger (INFO).
-    """
-    _check_graph_root(module, "quantize_model")
-    if quant_type not in _KINDS:
-        raise ValueError(f"quant_type must be one of {_KINDS}, got {quant_type!r}")
-    if isinstance(module, nnx.Linear):
-        raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
-    if quant_type != "int8":
-        formats.check_blocksize(blocksize)
-    if isinstance(skip, str):
-        skip = (skip,)
-    targets = [(p, parent, key, child) for p, parent, key, child in _edges(module) if type(child) is nnx.Linear]
-    replaced: dict[int, nnx.Module] = {}
-    for path, parent, key, child in targets:
-        name = _name(path)
-        if name in skip or any(str(k) in skip for k in path):
-            logger.info("q4jax.quantize_model: kept %s dense (skip list)", name)
-            continue
-        new = replaced.get(id(child))
-        if new is None:
-            if quant_type == "int8":
-                new = Linear8bit.from_linear(child, threshold=threshold)
-            else:
-                new = Linear4bit.from_linear(
-                    child,
-                    quant_type=quant_type,
-                    blocksize=blocksize,
-                    compress_statistics=compress_statistics,
-                    compute_dtype=compute_dtype,
-                )
-            replaced[id(child)] = new
-        _set_child(parent, key, new)
-        logger.info(
-            "q4jax.quantize_model: %s nnx.Linear(%d, %d) -> %s (%s)",
-            name,
-            child.in_features,
-            child.out_features,
-            type(new).__name__,
-            quant_type,
-        )
-    return module
-
-
-# ------------------------------------------------------------------ sharding
-
-_RULE_MODES = ("column", "row")
-
-
-def _rule_matches(pattern: str, name: str, path: tuple) -> bool:
-    return fnmatch.fnmatchcase(name, pattern) or any(str(k) == pattern for k in path)
-
-
-def _check_layer(layer, spec: LinearSharding) -> None:
-    if isinstance(layer, Linear4bit):
-        _, state = layer._canonical()
-        check_4bit(spec, state.shape, state.blocksize, state.nested)
-    elif isinstance(layer, Linear8bit):
-        check_8bit(spec, (layer.out_features, layer.in_features))
-    else:
-        check_features(spec, layer.out_features, layer.in_features)
-
-
-def _shard_dense(layer: nnx.Linear, spec: LinearSharding) -> None:
-    """A dense nnx.Linear (kernel [in, out]) split like a quantized one; XLA
-    partitions the dot itself."""
-    kernel = P(None, spec.axis) if spec.mode == "column" else P(spec.axis, None)
-    layer.kernel.set_value(jax.device_put(layer.kernel.get_value(), spec.named(kernel)))
-    if layer.bias is not None:
-        layer.bias.set_value(jax.device_put(layer.bias.get_value(), spec.named(spec.bias_spec())))
-
-
-def shard_model(
-    module: nnx.Module,
-    mesh: Mesh,
-    rules: Mapping[str, str] | None = None,
-    *,
-    model_axis: str | None = "model",
-    data_axis: str | tuple[str, ...] | None = None,
-    unnest: bool = False,
-) -> nnx.State:
-    """Shard ``module``'s state over ``mesh`` for data and tensor parallelism,
-    in place, and return the shardings of ``nnx.state(module)``.
-
-    ``rules`` maps a layer pattern to "column" or "row": a Linear4bit,
-    Linear8bit or nnx.Linear whose dotted path matches it (fnmatch on the whole
-    path, e.g. ``layers.*.mlp.up``, or equal to one of its components, e.g.
-    ``up``) is split over ``model_axis`` (Megatron: "column" for the first
-    linear of a block, "row" for the one after it). Every other quantized
-    layer is replicated. All quantized layers split their input batch over
-    ``data_axis`` (None: no data parallelism), see ``q4jax.LinearSharding``.
-    Every other array (dense kernels, adapters, norms, RNG state) is
-    replicated on the mesh. ``unnest`` lets nested 4-bit statistics that a
-    shard boundary would split be decoded to fp32 (exact) instead of raising.
-
-    Every layer is validated before anything changes: a ValueError lists each
-    layer that cannot be split (with the offending value), each rule that
-    matches no layer, and layers matched by both modes. The returned State of
-    NamedSharding fits ``jax.jit``'s in/out_shardings and optimizer states; put
-    the batch on ``NamedSharding(mesh, P(data_axis))``. Run the model under
-    ``jax.jit`` / ``nnx.jit``.
-    """
-    _check_graph_root(module, "shard_model")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    rules = dict(rules or {})
-    for pattern, mode in rules.items():
-        if mode not in _RULE_MODES:
-            raise ValueError(f"rule {pattern!r}: mode must be one of {_RULE_MODES}, got {mode!r}")
-    specs = {"replicated": LinearSharding(mesh, "replicated", None, data_axis, unnest)}
-    for mode in sorted(set(rules.values())):
-        specs[mode] = LinearSharding(mesh, mode, model_axis, data_axis, unnest)
-    targets = [
-        (p, child) for p, _, _, child in _edges(module) if isinstance(child, (Linear4bit, Linear8bit, nnx.Linear))
-    ]
-    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
-        targets.insert(0, ((), module))
-    errs: list[str] = []
-    used: set[str] = set()
-    chosen: dict[int, tuple[str, str, Any]] = {}
-    for path, layer in targets:
-        name = _name(path) or "<root>"
-        hits = [p for p in rules if _rule_matches(p, name, path)]
-        used.update(hits)
-        modes = sorted({rules[p] for p in hits})
-        if len(modes) > 1:
-            errs.append(f"{name}: rules {hits} ask for both column and row")
-            continue
-        mode = modes[0] if modes else "replicated"
-        if id(layer) in chosen:
-            first, first_mode, _ = chosen[id(layer)]
-            if first_mode != mode:
-                errs.append(f"{name}: the same layer as {first}, which is {first_mode}, but this path is {mode}")
-            continue
-        chosen[id(layer)] = (name, mode, layer)
-        if mode == "replicated" and type(layer) is nnx.Linear:
-            continue
-        try:
-            _check_layer(layer, specs[mode])
-        except ValueError as e:
-            errs.append(f"{name}: {e}")
-    unused = [p for p in rules if p not in used]
-    if unused:
-        errs.append(f"rules {unused} match no Linear4bit, Linear8bit or nnx.Linear")
-    if errs:
-        raise ValueError("shard_model: " + "; ".join(errs))
-    placed: set[int] = set()
-    for name, mode, layer in chosen.values():
-        if type(layer) is nnx.Linear:
-            if mode == "replicated":
-                continue
-            _shard_dense(layer, specs[mode])
-        else:
-            layer.shard(specs[mode])
-        placed.update(id(a) for a in jax.tree.leaves(nnx.state(layer)))
-        logger.info("q4jax.shard_model: %s %s", name, mode)
-    state = nnx.state(module)
-    replicated = NamedSharding(mesh, P())
-    shardings = jax.tree.map(lambda a: a.sharding if id(a) in placed else replicated, state)
-    nnx.update(module, jax.device_put(state, shardings))
-    return shardings
-
-
-# ------------------------------------------------------------------ checkpoints
-
-
-_LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
-
-
-def _layers(module) -> list[tuple[str, Any]]:
-    return [(_name(p) + ".", child) for p, _, _, child in _edges(module) if isinstance(child, _LINEAR_TYPES)]
-
-
-def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
-    """Checkpoint entries of every Linear4bit, Linear8bit and nnx.Linear below
-    ``module`` (itself included), in q4torch's / bitsandbytes' key format: keys
-    ``<path>.<entry>`` with torch-style dotted paths; an nnx.Linear saves
-    ``weight`` = kernel.T. Every array is a fresh numpy copy."""
-    _check_graph_root(module, "state_dict")
-    layers = _layers(module)
-    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
-        layers.insert(0, ("", module))
-    out: dict[str, np.ndarray] = {}
-    for prefix, layer in layers:
-        entries = _linear_entries(layer) if type(layer) is nnx.Linear else layer._state_entries()
-        for key, value in entries.items():
-            out[prefix + key] = value
-    return out
-
-
-def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = True) -> nnx.Module:
-    """Load a q4torch / bitsandbytes checkpoint (numpy arrays, or anything
-    np.asarray accepts) into ``module`` in place.
-
-    Every entry is validated (through the q4.QuantState schema for 4-bit
-    layers) before anything changes; on error a ValueError names each bad key
-    and the module is untouched. Arrays are copied (the caller's dict is never
-    aliased or mutated). A 4-bit layer takes the checkpoint's quant_type,
-    blocksize and nesting; a float weight is quantized with the layer's
-    settings. With ``strict``, keys no layer consumes are an error.
-    """
-    _check_graph_root(module, "load_state_dict")
-    if not isinstance(d, dict):
-        raise TypeError(f"load_state_dict expects a dict of arrays, got {type(d).__name__}")
-    layers = _layers(module)
-    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
-        layers.insert(0, ("", module))
-    errs: list[str] = []
-    used: set[str] = set()
-    plans = []
-    for prefix, layer in layers:
-        if type(layer) is nnx.Linear:
-            plan = _plan_linear(layer, d, prefix, errs, used)
-        else:
-            plan = layer._plan_load(d, prefix, errs, used)
-        plans.append(plan)
-    if strict:
-        unexpected = sorted(k for k in d if k not in used)
-        if unexpected:
-            errs.append(f"unexpected keys {unexpected}")
-    if errs:
-        raise ValueError("load_state_dict: " + "; ".join(errs))
-    for plan in plans:
-        if plan is not None:
-            plan()
-    return module
-
-
-def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> dict[str, np.ndarray]:
-    """Load a quantized checkpoint's linear layers into an nnx model, in place.
-
-    ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
-    writes) or a dict of arrays with PyTorch / bitsandbytes keys. Every
-    nnx.Linear the checkpoint stores quantized is first replaced by a
-    Linear4bit / Linear8bit with the file's quant type, block size and
-    nesting; then every linear layer of the model (dense or quantized) is
-    loaded from its entries, all validated before anything changes (see
-    load_state_dict). A quantized layer the model does not have as a linear
-    layer is a ValueError naming it. Returns the entries no linear layer
-    used (embeddings, norms: names a model maps itself).
-    """
-    _check_graph_root(module, "load_quantized")
-    if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = q4_checkpoint.load_file(checkpoint)
-    if not isinstance(checkpoint, Mapping):
-        raise TypeError(f"checkpoint must be a path or a dict of arrays, got {type(checkpoint).__name__}")
-    groups = q4_checkpoint.quantized_groups(checkpoint)
-    plan = {name: group for group, names in groups.items() for name in names}
-    edges = {_name(path): (parent, key, child) for path, parent, key, child in _edges(module)}
-    unknown = sorted(n for n in plan if not isinstance(edges.get(n, (None, None, None))[2], _LINEAR_TYPES))
-    if unknown:
-        raise ValueError(f"the checkpoint quantizes layers this model does not have as a linear layer: {unknown}")
-    replaced: dict[int, nnx.Module] = {}
-    for name, (quant_type, blocksize, nested) in plan.items():
-        parent, key, child = edges[name]
-        if type(child) is not nnx.Linear:
-            continue  # already quantized: load_state_dict takes the checkpoint's format
-        if id(child) not in replaced:
-            replaced[id(child)] = (
-                Linear8bit.from_linear(child)
-                if quant_type == "int8"
-                else Linear4bit.from_linear(
-                    child, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
-                )
-            )
-        _set_child(parent, key, replaced[id(child)])
-    mine: set[str] = set()  # each linear layer's weight entries and bias
-    for prefix, _ in _layers(module):
-        mine.update(q4_checkpoint.layer_keys(checkpoint, prefix[:-1]))
-        if prefix + "bias" in checkpoint:
-            mine.add(prefix + "bias")
-    load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
-    return {k: v for k, v in checkpoint.items() if k not in mine}

@@ -1,0 +1,130 @@
+"""Checkpoints of flax.nnx models in the q4torch / bitsandbytes format:
+state_dict, load_state_dict (validates everything before changing anything)
+and load_quantized."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from q4 import checkpoint as q4_checkpoint
+from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
+from q4jax._src.model import check_graph_root, graph_edges, path_name, set_child
+
+logger = logging.getLogger("q4jax")
+
+# ------------------------------------------------------------------ checkpoints
+
+
+_LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
+
+
+def _layers(module) -> list[tuple[str, Any]]:
+    return [(path_name(p) + ".", child) for p, _, _, child in graph_edges(module) if isinstance(child, _LINEAR_TYPES)]
+
+
+def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
+    """Checkpoint entries of every Linear4bit, Linear8bit and nnx.Linear below
+    ``module`` (itself included), in q4torch's / bitsandbytes' key format: keys
+    ``<path>.<entry>`` with torch-style dotted paths; an nnx.Linear saves
+    ``weight`` = kernel.T. Every array is a fresh numpy copy."""
+    check_graph_root(module, "state_dict")
+    layers = _layers(module)
+    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+        layers.insert(0, ("", module))
+    out: dict[str, np.ndarray] = {}
+    for prefix, layer in layers:
+        entries = dense_entries(layer) if type(layer) is nnx.Linear else layer._state_entries()
+        for key, value in entries.items():
+            out[prefix + key] = value
+    return out
+
+
+def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = True) -> nnx.Module:
+    """Load a q4torch / bitsandbytes checkpoint (numpy arrays, or anything
+    np.asarray accepts) into ``module`` in place.
+
+    Every entry is validated (through the q4.QuantState schema for 4-bit
+    layers) before anything changes; on error a ValueError names each bad key
+    and the module is untouched. Arrays are copied (the caller's dict is never
+    aliased or mutated). A 4-bit layer takes the checkpoint's quant_type,
+    blocksize and nesting; a float weight is quantized with the layer's
+    settings. With ``strict``, keys no layer consumes are an error.
+    """
+    check_graph_root(module, "load_state_dict")
+    if not isinstance(d, dict):
+        raise TypeError(f"load_state_dict expects a dict of arrays, got {type(d).__name__}")
+    layers = _layers(module)
+    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+        layers.insert(0, ("", module))
+    errs: list[str] = []
+    used: set[str] = set()
+    plans = []
+    for prefix, layer in layers:
+        if type(layer) is nnx.Linear:
+            plan = plan_dense_load(layer, d, prefix, errs, used)
+        else:
+            plan = layer._plan_load(d, prefix, errs, used)
+        plans.append(plan)
+    if strict:
+        unexpected = sorted(k for k in d if k not in used)
+        if unexpected:
+            errs.append(f"unexpected keys {unexpected}")
+    if errs:
+        raise ValueError("load_state_dict: " + "; ".join(errs))
+    for plan in plans:
+        if plan is not None:
+            plan()
+    return module
+
+
+def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> dict[str, np.ndarray]:
+    """Load a quantized checkpoint's linear layers into an nnx model, in place.
+
+    ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
+    writes) or a dict of arrays with PyTorch / bitsandbytes keys. Every
+    nnx.Linear the checkpoint stores quantized is first replaced by a
+    Linear4bit / Linear8bit with the file's quant type, block size and
+    nesting; then every linear layer of the model (dense or quantized) is
+    loaded from its entries, all validated before anything changes (see
+    load_state_dict). A quantized layer the model does not have as a linear
+    layer is a ValueError naming it. Returns the entries no linear layer
+    used (embeddings, norms: names a model maps itself).
+    """
+    check_graph_root(module, "load_quantized")
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = q4_checkpoint.load_file(checkpoint)
+    if not isinstance(checkpoint, Mapping):
+        raise TypeError(f"checkpoint must be a path or a dict of arrays, got {type(checkpoint).__name__}")
+    groups = q4_checkpoint.quantized_groups(checkpoint)
+    plan = {name: group for group, names in groups.items() for name in names}
+    edges = {path_name(path): (parent, key, child) for path, parent, key, child in graph_edges(module)}
+    unknown = sorted(n for n in plan if not isinstance(edges.get(n, (None, None, None))[2], _LINEAR_TYPES))
+    if unknown:
+        raise ValueError(f"the checkpoint quantizes layers this model does not have as a linear layer: {unknown}")
+    replaced: dict[int, nnx.Module] = {}
+    for name, (quant_type, blocksize, nested) in plan.items():
+        parent, key, child = edges[name]
+        if type(child) is not nnx.Linear:
+            continue  # already quantized: load_state_dict takes the checkpoint's format
+        if id(child) not in replaced:
+            replaced[id(child)] = (
+                Linear8bit.from_linear(child)
+                if quant_type == "int8"
+                else Linear4bit.from_linear(
+                    child, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
+                )
+            )
+        set_child(parent, key, replaced[id(child)])
+    mine: set[str] = set()  # each linear layer's weight entries and bias
+    for prefix, _ in _layers(module):
+        mine.update(q4_checkpoint.layer_keys(checkpoint, prefix[:-1]))
+        if prefix + "bias" in checkpoint:
+            mine.add(prefix + "bias")
+    load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
+    return {k: v for k, v in checkpoint.items() if k not in mine}

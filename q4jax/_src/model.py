@@ -1,0 +1,126 @@
+"""Whole-model rewriting for flax.nnx: walking a module graph and replacing
+nnx.Linear layers by Linear4bit / Linear8bit (quantize_model)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from flax import nnx
+from flax.nnx import graphlib
+
+from q4._src import formats
+from q4jax._src.layers import Linear4bit, Linear8bit
+
+logger = logging.getLogger("q4jax")
+
+# ------------------------------------------------------------------ graph walking
+
+
+def graph_children(node) -> Iterator[tuple[Any, Any]]:
+    impl = graphlib.get_node_impl(node)
+    if impl is None:
+        return
+    for key, child in impl.node_dict(node).items():
+        if isinstance(key, str) and key.startswith("_"):
+            continue  # nnx internals (_pytree__state, _length, ...)
+        yield key, child
+
+
+def graph_edges(root) -> Iterator[tuple[tuple, Any, Any, Any]]:
+    """(path, parent, key, child) for every edge to a Module below root, in
+    attribute order; a module reachable by several paths is yielded once per
+    path (as torch's state_dict does), but its subtree is walked once per path
+    only while no cycle is formed."""
+
+    def walk(node, path, on_stack):
+        for key, child in graph_children(node):
+            if isinstance(child, nnx.Variable) or not graphlib.is_node(child):
+                continue
+            if id(child) in on_stack:
+                continue
+            p = (*path, key)
+            if isinstance(child, nnx.Module):
+                yield p, node, key, child
+            yield from walk(child, p, on_stack | {id(child)})
+
+    yield from walk(root, (), frozenset({id(root)}))
+
+
+def path_name(path: tuple) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def set_child(parent, key, value) -> None:
+    if isinstance(parent, (nnx.List, nnx.Dict, list, dict)):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def check_graph_root(module, what: str) -> None:
+    if not isinstance(module, nnx.Module):
+        raise TypeError(f"{what} expects an nnx.Module, got {type(module).__name__}")
+
+
+_KINDS = ("nf4", "fp4", "int8")
+
+
+def quantize_model(
+    module: nnx.Module,
+    quant_type: str = "nf4",
+    *,
+    blocksize: int = 64,
+    compress_statistics: bool = True,
+    compute_dtype=None,
+    threshold: float = 0.0,
+    skip: tuple[str, ...] = ("lm_head",),
+) -> nnx.Module:
+    """Replace every nnx.Linear below ``module`` in place with a Linear4bit
+    (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
+
+    A Linear whose dotted path (torch-style, e.g. ``layers.0.attn.q``) equals an
+    entry of ``skip`` or has it as one of its components is left dense. A Linear
+    reachable by several paths is replaced by one shared quantized layer. Each
+    replacement is logged on the "q4jax" logger (INFO).
+    """
+    check_graph_root(module, "quantize_model")
+    if quant_type not in _KINDS:
+        raise ValueError(f"quant_type must be one of {_KINDS}, got {quant_type!r}")
+    if isinstance(module, nnx.Linear):
+        raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
+    if quant_type != "int8":
+        formats.check_blocksize(blocksize)
+    if isinstance(skip, str):
+        skip = (skip,)
+    targets = [(p, parent, key, child) for p, parent, key, child in graph_edges(module) if type(child) is nnx.Linear]
+    replaced: dict[int, nnx.Module] = {}
+    for path, parent, key, child in targets:
+        name = path_name(path)
+        if name in skip or any(str(k) in skip for k in path):
+            logger.info("q4jax.quantize_model: kept %s dense (skip list)", name)
+            continue
+        new = replaced.get(id(child))
+        if new is None:
+            if quant_type == "int8":
+                new = Linear8bit.from_linear(child, threshold=threshold)
+            else:
+                new = Linear4bit.from_linear(
+                    child,
+                    quant_type=quant_type,
+                    blocksize=blocksize,
+                    compress_statistics=compress_statistics,
+                    compute_dtype=compute_dtype,
+                )
+            replaced[id(child)] = new
+        set_child(parent, key, new)
+        logger.info(
+            "q4jax.quantize_model: %s nnx.Linear(%d, %d) -> %s (%s)",
+            name,
+            child.in_features,
+            child.out_features,
+            type(new).__name__,
+            quant_type,
+        )
+    return module
