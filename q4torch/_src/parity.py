@@ -23,24 +23,7 @@ class Adapter:
         self.torch, self.nn = torch, qnn
 
     def make(self, spec: Spec, w: np.ndarray, b: np.ndarray):
-        torch = self.torch
-        out_f, in_f = w.shape
-        layer: Any
-        if spec.kind == "8bit":
-            layer = self.nn.Linear8bitLt(in_f, out_f, has_fp16_weights=False, threshold=spec.threshold)
-        else:
-            layer = self.nn.Linear4bit(in_f, out_f, quant_type=spec.quant_type, compress_statistics=spec.nested)
-            layer.weight = self.nn.Params4bit(
-                torch.from_numpy(w.copy()),
-                blocksize=spec.blocksize,
-                compress_statistics=spec.nested,
-                quant_type=spec.quant_type,
-                module=layer,
-            )
-        if spec.kind == "8bit":
-            layer.weight.data = torch.from_numpy(w.copy())
-        layer.bias.data = torch.from_numpy(b.copy())
-        return layer.to("cpu")
+        return build_layer(self.nn, spec, w, b)
 
     def forward(self, layer, x: np.ndarray) -> np.ndarray:
         with self.torch.no_grad():
@@ -61,3 +44,27 @@ class Adapter:
         if x.dtype.name == "bfloat16":
             return self.torch.from_numpy(x.view(np.uint16).copy()).view(self.torch.bfloat16)
         return self.torch.from_numpy(x.copy())
+
+
+def build_layer(nn: Any, spec: Spec, w: np.ndarray, b: np.ndarray):
+    """The quantized layer for `spec` with float weight `w` and bias `b`,
+    built through `nn` -- q4torch.nn, or bitsandbytes.nn, whose layers take
+    the same arguments -- and quantized on the CPU."""
+    import torch
+
+    out_f, in_f = w.shape
+    layer: Any
+    if spec.kind == "8bit":
+        layer = nn.Linear8bitLt(in_f, out_f, has_fp16_weights=False, threshold=spec.threshold)
+        layer.weight.data = torch.from_numpy(w.copy())
+    else:
+        layer = nn.Linear4bit(in_f, out_f, quant_type=spec.quant_type, compress_statistics=spec.nested)
+        layer.weight = nn.Params4bit(
+            torch.from_numpy(w.copy()),
+            blocksize=spec.blocksize,
+            compress_statistics=spec.nested,
+            quant_type=spec.quant_type,
+            module=layer,
+        )
+    layer.bias.data = torch.from_numpy(b.copy())
+    return layer.to("cpu")

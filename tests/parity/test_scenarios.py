@@ -169,26 +169,12 @@ def _dequantized(state) -> np.ndarray:
 def test_checkpoint_hops_including_bitsandbytes(spec, rng, tmp_path):
     """bitsandbytes -> file -> q4jax -> file -> q4torch -> file: bytes identical after each hop."""
     import bitsandbytes as bnb
-    import torch
 
     import q4
+    from q4torch._src.parity import build_layer
 
     w, b = _weights(rng)
-    if spec.kind == "8bit":
-        layer = bnb.nn.Linear8bitLt(IN, OUT, has_fp16_weights=False, threshold=spec.threshold)
-    else:
-        layer = bnb.nn.Linear4bit(IN, OUT, quant_type=spec.quant_type, compress_statistics=spec.nested)
-        layer.weight = bnb.nn.Params4bit(
-            torch.from_numpy(w.copy()),
-            blocksize=spec.blocksize,
-            compress_statistics=spec.nested,
-            quant_type=spec.quant_type,
-            module=layer,
-        )
-    if spec.kind == "8bit":
-        layer.weight.data = torch.from_numpy(w.copy())
-    layer.bias.data = torch.from_numpy(b.copy())
-    layer = layer.to("cpu")
+    layer = build_layer(bnb.nn, spec, w, b)  # bitsandbytes' own layers, built as q4torch's are
     origin = {k: v.detach().numpy().copy() for k, v in layer.state_dict().items()}
     q4.checkpoint.save_file(origin, tmp_path / "bnb.safetensors")
     state = q4.checkpoint.load_file(tmp_path / "bnb.safetensors")
