@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from q4._src.formats import LAYER_TYPES
+
 _EPILOG_QUANTIZE = """\
 Every 2-D float32/float16/bfloat16 tensor named '*.weight' becomes a quantized
 layer in the bitsandbytes format (loadable by q4torch.nn.Linear4bit /
@@ -286,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("input", metavar="IN", help="float checkpoint: .safetensors file, *.index.json, or directory")
     q.add_argument("output", metavar="OUT", help="quantized checkpoint: .safetensors file (or directory for shards)")
-    q.add_argument("--type", choices=["nf4", "fp4", "int8"], default="nf4", help="format (default: nf4)")
+    q.add_argument("--type", choices=list(LAYER_TYPES), default="nf4", help="format (default: nf4)")
     q.add_argument(
         "--blocksize",
         type=int,

@@ -56,7 +56,7 @@ from q4._src.formats import short_repr
 from q4._src.quant_state import JSON_KEY_PREFIX, QuantState, strict_json_loads
 from q4._src.weights import dequantize_weight_4bit, dequantize_weight_int8, quantize_weight_4bit, quantize_weight_int8
 
-TYPES = ("nf4", "fp4", "int8")
+TYPES = formats.LAYER_TYPES
 # Layers that are 2-D ``.weight`` tensors but not linear layers (embeddings), or
 # that are conventionally kept in full precision (the output head).
 DEFAULT_SKIP = ("*embed*", "*wte", "*wpe", "lm_head", "*.lm_head")
@@ -75,8 +75,7 @@ class Options:
     default_skip: bool = True  # also skip DEFAULT_SKIP
 
     def check(self) -> Options:
-        if self.quant_type not in TYPES:
-            raise ValueError(f"--type must be one of {', '.join(TYPES)}, got {self.quant_type!r}")
+        formats.check_layer_type(self.quant_type, "--type")
         if self.quant_type != "int8":
             formats.check_blocksize(self.blocksize)
         return self

@@ -13,6 +13,8 @@ import numpy as np
 from q4._src import native
 
 QUANT_TYPES = ("nf4", "fp4")
+# what a layer can be quantized to: a 4-bit format, or LLM.int8
+LAYER_TYPES = (*QUANT_TYPES, "int8")
 QUANT_TYPE_CODES = {"nf4": 0, "fp4": 1}
 # dtype name -> kernel dtype code (part of the C ABI)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -62,6 +64,13 @@ def check_quant_type(quant_type: str) -> int:
     if not isinstance(quant_type, str) or quant_type not in QUANT_TYPE_CODES:
         raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {short_repr(quant_type)}")
     return QUANT_TYPE_CODES[quant_type]
+
+
+def check_layer_type(quant_type: str, what: str = "quant_type") -> str:
+    """'nf4', 'fp4' or 'int8' (what a layer is quantized to); anything else raises ValueError."""
+    if not isinstance(quant_type, str) or quant_type not in LAYER_TYPES:
+        raise ValueError(f"{what} must be one of {', '.join(LAYER_TYPES)}, got {short_repr(quant_type)}")
+    return quant_type
 
 
 def check_dtype_name(name: str) -> int:

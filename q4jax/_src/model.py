@@ -64,9 +64,6 @@ def check_graph_root(module, what: str) -> None:
         raise TypeError(f"{what} expects an nnx.Module, got {type(module).__name__}")
 
 
-_KINDS = ("nf4", "fp4", "int8")
-
-
 def quantize_model(
     module: nnx.Module,
     quant_type: str = "nf4",
@@ -86,8 +83,7 @@ def quantize_model(
     replacement is logged on the "q4jax" logger (INFO).
     """
     check_graph_root(module, "quantize_model")
-    if quant_type not in _KINDS:
-        raise ValueError(f"quant_type must be one of {_KINDS}, got {quant_type!r}")
+    formats.check_layer_type(quant_type)
     if isinstance(module, nnx.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
     if quant_type != "int8":

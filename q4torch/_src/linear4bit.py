@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import q4
+from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as F
 
@@ -68,8 +69,7 @@ class Params4bit(nn.Parameter):
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self.blocksize = q4.check_blocksize(64 if blocksize is None else blocksize)
         self.compress_statistics = compress_statistics
-        if quant_type not in q4.QUANT_TYPES:
-            raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {quant_type!r}")
+        formats.check_quant_type(quant_type)
         self.quant_type = quant_type
         self.quant_state = quant_state
         self.quant_storage = quant_storage

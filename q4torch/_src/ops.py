@@ -14,7 +14,8 @@ import torch
 from q4._src import formats
 from q4._src import kernels as K
 
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# the C ABI's dtype codes (q4._src.formats.DTYPE_CODES), by torch dtype
+_DTYPE_CODE = {getattr(torch, name): code for name, code in formats.DTYPE_CODES.items()}
 
 
 def dtype_code(dtype: torch.dtype, what: str) -> int:

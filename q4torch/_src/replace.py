@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 import q4
+from q4._src import formats
 
 logger = logging.getLogger("q4torch")
 
-QUANT_TYPES = ("nf4", "fp4", "int8")
+QUANT_TYPES = formats.LAYER_TYPES  # (the name q4torch has exported)
 
 
 def _skipped(name: str, skip) -> bool:
@@ -82,8 +83,7 @@ def replace_linear(
     names (tied) is replaced once, by one shared quantized layer. What was
     replaced is logged (logger "q4torch", INFO); returns ``model``.
     """
-    if quant_type not in QUANT_TYPES:
-        raise ValueError(f"quant_type must be one of {QUANT_TYPES}, got {quant_type!r}")
+    formats.check_layer_type(quant_type)
     if quant_type != "int8":
         q4.check_blocksize(blocksize)
     if isinstance(skip, str):

@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 from reference import inputs
 
+from q4._src import formats
+
 torch = pytest.importorskip("torch")
 
 _PATH = os.environ.get("Q4_LIBRARY")
@@ -55,9 +57,14 @@ LIB.q4_cuda_device_count.argtypes = []
 
 requires_gpu = pytest.mark.skipif(LIB.q4_cuda_device_count() == 0, reason="no CUDA device")
 
-DTYPES = {"f32": (torch.float32, 0), "f16": (torch.float16, 1), "bf16": (torch.bfloat16, 2)}
+# the C ABI's codes, as the library's Python side defines them
+DTYPES = {
+    "f32": (torch.float32, formats.DTYPE_CODES["float32"]),
+    "f16": (torch.float16, formats.DTYPE_CODES["float16"]),
+    "bf16": (torch.bfloat16, formats.DTYPE_CODES["bfloat16"]),
+}
 DTYPE_CODE = {t: code for t, code in DTYPES.values()}
-QUANT_TYPES = {"nf4": 0, "fp4": 1}
+QUANT_TYPES = formats.QUANT_TYPE_CODES
 NESTED_BLOCKSIZE = 256
 
 
