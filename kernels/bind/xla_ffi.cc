@@ -92,6 +92,14 @@ ffi::Error Gemm4bitGradInput(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi:
   });
 }
 
+ffi::Error Int8QuantizeRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
+                            ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols) {
+  return on_pool(pool, [&] {
+    return int8_quantize_rows_batched(x, q, row_stats, cols,
+                                      [](const Int8QuantizeRowsParams& p) { return cpu::int8_quantize_rows(p); });
+  });
+}
+
 ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
                       ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, float threshold) {
   return on_pool(pool, [&] {
@@ -135,6 +143,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_gemm_4bit, xb::Gemm4bit,
 Q4_FFI_HANDLER(q4_ffi_gemm_4bit_grad_input)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_gemm_4bit_grad_input, xb::Gemm4bitGradInput,
                               xb::bind_gemm_4bit_grad_input(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
+Q4_FFI_HANDLER(q4_ffi_int8_quantize_rows)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_quantize_rows, xb::Int8QuantizeRows,
+                              xb::bind_int8_quantize_rows(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
 Q4_FFI_HANDLER(q4_ffi_int8_linear)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_linear, xb::Int8Linear,
                               xb::bind_int8_linear(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));

@@ -195,6 +195,18 @@ auto bind_gemm_4bit_grad_input(B b) {
       .template Attr<int64_t>("nested");
 }
 
+// LLM.int8 row quantization without outliers (threshold 0; what an int8
+// weight is stored as): x [..., cols] -> q int8 [..., cols], row_stats f32
+// [...]. Every leading dim is rows, so a stacked (vmapped) call is one call.
+template <class B>
+auto bind_int8_quantize_rows(B b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()         // x: [..., cols]
+      .template Ret<ffi::Buffer<ffi::S8>>()   // q: [..., cols]
+      .template Ret<ffi::Buffer<ffi::F32>>()  // row_stats: [...]
+      .template Attr<int64_t>("cols");
+}
+
 // LLM.int8 linear and its input gradient. Weight: int8 CB [n, k] and fp32
 // SCB [n] (stacked: [batch, n, k] / [batch, n]).
 template <class B>
@@ -478,6 +490,26 @@ ffi::Error gemm_4bit_grad_input_batched(ffi::AnyBuffer grad_out, ffi::Buffer<ffi
     Q4_FFI_CHECK(to_ffi(run(p)));
   }
   return ffi::Error::Success();
+}
+
+template <class Run>
+ffi::Error int8_quantize_rows_batched(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
+                                      ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols, Run run) {
+  if (cols <= 0) return invalid("cols must be positive");
+  Int8QuantizeRowsParams p;
+  if (!dtype_of(x.element_type(), &p.x_dtype)) return invalid("int8_quantize_rows input must be a float type");
+  int64_t rows = 0;
+  Q4_FFI_CHECK(batch_of("input (rows of cols)", x.element_count(), cols, &rows));
+  Q4_FFI_CHECK(same_batch("q", q->element_count(), cols, rows));
+  Q4_FFI_CHECK(same_batch("row_stats", row_stats->element_count(), 1, rows));
+  p.x = x.untyped_data();
+  p.rows = rows;
+  p.cols = cols;
+  p.threshold = 0.0f;
+  p.q = q->typed_data();
+  p.row_stats = row_stats->typed_data();
+  p.outlier_cols = nullptr;
+  return to_ffi(run(p));
 }
 
 template <class Run>

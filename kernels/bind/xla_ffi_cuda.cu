@@ -70,6 +70,12 @@ ffi::Error CudaGemm4bitGradInput(cudaStream_t stream, ffi::AnyBuffer grad_out, f
       [&](const Gemm4bitGradInputParams& p) { return cuda::gemm_4bit_grad_input(p, stream); });
 }
 
+ffi::Error CudaInt8QuantizeRows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
+                                ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols) {
+  return int8_quantize_rows_batched(
+      x, q, row_stats, cols, [&](const Int8QuantizeRowsParams& p) { return cuda::int8_quantize_rows(p, stream); });
+}
+
 ffi::Error CudaInt8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight,
                           ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n,
                           int64_t k, float threshold) {
@@ -110,6 +116,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_gemm_4bit, xb::CudaGemm4bit, xb::bind_
 Q4_FFI_HANDLER(q4_ffi_cuda_gemm_4bit_grad_input)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_gemm_4bit_grad_input, xb::CudaGemm4bitGradInput,
                               xb::bind_gemm_4bit_grad_input(Q4_CUDA_BIND()));
+Q4_FFI_HANDLER(q4_ffi_cuda_int8_quantize_rows)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_quantize_rows, xb::CudaInt8QuantizeRows,
+                              xb::bind_int8_quantize_rows(Q4_CUDA_BIND()));
 Q4_FFI_HANDLER(q4_ffi_cuda_int8_linear)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_linear, xb::CudaInt8Linear, xb::bind_int8_linear(Q4_CUDA_BIND()));
 Q4_FFI_HANDLER(q4_ffi_cuda_int8_grad_input)

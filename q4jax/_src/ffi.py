@@ -24,6 +24,7 @@ _OPS = (
     "quantize_nested",
     "gemm_4bit",
     "gemm_4bit_grad_input",
+    "int8_quantize_rows",
     "int8_linear",
     "int8_grad_input",
 )
@@ -198,6 +199,12 @@ def gemm_4bit_grad_input_raw(
         "gemm_4bit_grad_input", n, k, blocksize, quant_type, nested_absmax is not None, k, dtype_name(out_dtype)
     )
     return fn(grad_out, packed, a, na, no)
+
+
+def int8_quantize_rows_raw(x):
+    """LLM.int8 rows without outliers: x [..., cols] -> (q int8 [..., cols], row absmax f32 [...])."""
+    out = (jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32))
+    return _call("int8_quantize_rows", out, x, cols=x.shape[-1])
 
 
 def int8_linear_raw(x, weight, scale, bias, threshold: float, out_dtype):

@@ -35,10 +35,9 @@ from q4 import checkpoint as q4_checkpoint
 from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
 from q4._src.quant_state import QuantState as NpQuantState
-from q4._src.weights import quantize_weight_int8
 from q4jax._src import ffi
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
-from q4jax._src.quant import QuantState, quantize_4bit
+from q4jax._src.quant import QuantState, quantize_4bit, quantize_int8_weight
 from q4jax._src.sharding import (
     LinearSharding,
     check_4bit,
@@ -400,20 +399,20 @@ class Linear8bit(_QuantLinear):
         )
         self.weight = QuantStateVar(jnp.zeros((0, 0), jnp.int8))
         self.SCB = QuantStateVar(jnp.zeros((0,), jnp.float32))
-        self.set_weight(np.asarray(kernel).T)
+        self.set_weight(jnp.asarray(kernel).T)
 
     def set_weight(self, weight) -> Linear8bit:
         """Quantize a float W [out_features, in_features] (rounded to fp16 first,
-        as bitsandbytes does) and replace CB / SCB wholesale."""
-        w = np.asarray(weight)
+        as bitsandbytes does) through the kernels' XLA op, so it also works
+        under jit, and replace CB / SCB wholesale."""
+        w = weight if isinstance(weight, jax.Array) else jnp.asarray(np.asarray(weight))
         _float_dtype_name(w.dtype, "weight dtype")
         if w.shape != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight must have shape (out_features, in_features) = {(self.out_features, self.in_features)}, "
                 f"got {w.shape}"
             )
-        cb_host, scb_host = quantize_weight_int8(w)
-        cb, scb = jnp.asarray(cb_host), jnp.asarray(scb_host)
+        cb, scb = quantize_int8_weight(w)
         if self.sharding is not None:
             cb, scb = shard_8bit(cb, scb, self.sharding)
         self.weight.set_value(cb)

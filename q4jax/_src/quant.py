@@ -191,3 +191,21 @@ def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, dtype:
     if code.shape[-1:] != (256,):
         raise ValueError(f"code must hold 256 values, got shape {code.shape}")
     return ffi.dequantize_blockwise_raw(codes, absmax, code, None, bs, ffi.dtype_name(dtype))
+
+
+def quantize_int8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(CB int8 [out, in], SCB fp32 [out]) of a 2-D float weight as a
+    bitsandbytes Linear8bitLt stores it: rounded to float16 first, then one
+    absmax per row (the kernels' int8_quantize_rows, threshold 0). Works under
+    jit. Outside a trace a row that is not finite after the float16 rounding
+    (|w| > 65504) raises ValueError; under jit its SCB is inf."""
+    w16 = w.astype(jnp.float32).astype(jnp.float16)
+    cb, scb = ffi.int8_quantize_rows_raw(w16)
+    if not isinstance(scb, jax.core.Tracer):
+        bad = np.nonzero(~np.isfinite(np.asarray(scb)))[0]
+        if bad.size:
+            raise ValueError(
+                f"cannot quantize: weight rows {bad[:8].tolist()} are not finite after rounding to "
+                "float16 (float16 holds at most 65504)"
+            )
+    return cb, scb
