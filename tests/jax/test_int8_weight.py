@@ -45,14 +45,17 @@ def test_vmap_over_stacked_weights(rng):
         assert np.array_equal(np.asarray(cb[i]), want_cb) and np.array_equal(np.asarray(scb[i]), want_scb)
 
 
-def test_linear8bit_built_under_jit_equals_eager():
+@pytest.mark.parametrize("cls", ["Linear8bit", "Linear4bit"])
+def test_layers_built_under_jit_equal_eager(cls):
+    layer_cls = getattr(q4jax.nn, cls)
+
     @jax.jit
     def build(key):
-        return nnx.state(q4jax.nn.Linear8bit(64, 24, rngs=nnx.Rngs(params=key)))
+        return nnx.state(layer_cls(64, 24, rngs=nnx.Rngs(params=key)))
 
     key = jax.random.key(3)
     traced = build(key)
-    eager = nnx.state(q4jax.nn.Linear8bit(64, 24, rngs=nnx.Rngs(params=key)))
+    eager = nnx.state(layer_cls(64, 24, rngs=nnx.Rngs(params=key)))
     for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(eager), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
