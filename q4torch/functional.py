@@ -274,9 +274,7 @@ def check_quant_state(quant_state, packed: torch.Tensor | None = None, what: str
             )
             raise ValueError(f"{what} is nested and needs offset, a one-element float tensor; got {got}")
     if packed is not None:
-        nbytes = packed.numel() * packed.element_size()
-        if nbytes != formats.packed_bytes(n):
-            raise ValueError(f"packed weight has {nbytes} bytes, {what}.shape {shape} needs {formats.packed_bytes(n)}")
+        formats.check_packed_size(packed.numel() * packed.element_size(), n, "packed weight", f"{what}.shape {shape}")
     return qs
 
 

@@ -158,8 +158,7 @@ def dequantize_4bit(
     n = int(np.prod(shape))
     packed = np.ascontiguousarray(packed, np.uint8)
     absmax = np.ascontiguousarray(absmax, np.float32)
-    if packed.size != formats.packed_bytes(n):
-        raise ValueError(f"packed has {packed.size} bytes, shape {shape} needs {formats.packed_bytes(n)}")
+    formats.check_packed_size(packed.size, n, "packed", f"shape {shape}")
     if absmax.size != formats.num_blocks(n, bs):
         raise ValueError(
             f"absmax has {absmax.size} values, shape {shape} with blocksize {bs} needs {formats.num_blocks(n, bs)}"
@@ -423,8 +422,7 @@ def _packed(packed, n_elements: int) -> np.ndarray:
     packed = np.ascontiguousarray(packed)
     if packed.dtype != np.uint8:
         packed = packed.view(np.uint8)
-    if packed.size != formats.packed_bytes(n_elements):
-        raise ValueError(f"packed weight has {packed.size} bytes, expected {formats.packed_bytes(n_elements)}")
+    formats.check_packed_size(packed.size, n_elements, "packed weight", f"a weight of {n_elements} elements")
     return packed
 
 

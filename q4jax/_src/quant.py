@@ -130,8 +130,7 @@ def check_state(packed, state: QuantState) -> None:
     n = math.prod(int(s) for s in shape)
     if packed.dtype != jnp.uint8:
         raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    if packed.size != formats.packed_bytes(n):
-        raise ValueError(f"packed has {packed.size} bytes, shape {shape} needs {formats.packed_bytes(n)}")
+    formats.check_packed_size(packed.size, n, "packed", f"shape {shape}")
     nb = formats.num_blocks(n, state.blocksize)
     if state.absmax.size != nb:
         raise ValueError(

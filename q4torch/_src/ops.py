@@ -83,8 +83,7 @@ def _check_4bit_inputs(packed, absmax, blocksize, quant_type, shape, dtype):
         n *= s
     if n <= 0:
         raise ValueError(f"shape must have positive sizes, got {list(shape)}")
-    if packed.numel() != formats.packed_bytes(n):
-        raise ValueError(f"packed has {packed.numel()} bytes, shape {list(shape)} needs {formats.packed_bytes(n)}")
+    formats.check_packed_size(packed.numel(), n, "packed", f"shape {list(shape)}")
     if absmax.numel() != formats.num_blocks(n, blocksize):
         raise ValueError(
             f"absmax has {absmax.numel()} values, shape {list(shape)} with blocksize {blocksize} "
@@ -262,10 +261,7 @@ def _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, 
         raise ValueError(f"weight shape must be positive, got ({n}, {k})")
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed weight must be uint8 (view other quant_storage as uint8), got {packed.dtype}")
-    if packed.numel() != formats.packed_bytes(n * k):
-        raise ValueError(
-            f"packed weight has {packed.numel()} bytes, a ({n}, {k}) weight needs {formats.packed_bytes(n * k)}"
-        )
+    formats.check_packed_size(packed.numel(), n * k, "packed weight", f"a ({n}, {k}) weight")
     blocks = formats.num_blocks(n * k, blocksize)
     if absmax.numel() != blocks:
         raise ValueError(

@@ -130,7 +130,7 @@ def test_threads_agree(rng):
         (
             lambda p, s: q4.gemm_4bit(np.ones((2, 64), np.float32), p[:-1], s),
             ValueError,
-            "packed weight has 1023 bytes, expected 1024",
+            "packed weight has 1023 bytes, a weight of 2048 elements needs 1024",
         ),
         (
             lambda p, s: q4.gemm_4bit_grad_input(np.ones((2, 31), np.float32), p, s),
