@@ -37,6 +37,8 @@
 //   dX[m, k] = (((0 + g[m, 0] * CB[0, k]) + g[m, 1] * CB[1, k]) + ...)  fp32,
 //              one multiply and one add per term (no FMA) in both paths, so
 //              the scalar and AVX2 results are identical.
+#include "q4/int8.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -53,25 +55,15 @@ namespace q4 {
 namespace cpu {
 namespace {
 
-constexpr float kInv127 = 1.0f / 127.0f;      // fp32(1/127)
-constexpr float kInv127Sq = 1.0f / 16129.0f;  // fp32(1/127^2)
-constexpr int64_t kMaxInt8K = (int64_t(1) << 31) / (128 * 127) - 1;
-constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (s + M) - M rounds |s| < 2^22 half-even
+using int8::kInv127;
+using int8::kInv127Sq;
+constexpr int64_t kMaxInt8K = int8::kMaxK;
 
 // ------------------------------------------------------------ quantization
 
-// One element of a row scaled by mult, as defined above.
-inline int8_t quantize_elem(float x, float mult) {
-  float s = x * mult;
-  if (!(s == s)) return 0;
-  s = s < -127.0f ? -127.0f : (s > 127.0f ? 127.0f : s);
-  return int8_t(int((s + kRoundMagic) - kRoundMagic));
-}
-
-inline float row_multiplier(float row_stat) {
-  const float inv = 1.0f / row_stat;
-  return inv * 127.0f;
-}
+// One element of a row scaled by mult, and a row's multiplier (q4/int8.h).
+using int8::row_multiplier;
+inline int8_t quantize_elem(float x, float mult) { return int8::quantize(x, mult); }
 
 // cut: the comparison value above, NaN when outliers are off (threshold 0),
 // so that no element compares >= it.

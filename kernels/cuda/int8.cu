@@ -22,6 +22,7 @@
 #include <string>
 
 #include "common.cuh"
+#include "q4/int8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
@@ -29,9 +30,9 @@ namespace q4 {
 namespace cuda {
 namespace {
 
-constexpr float kInv127 = 1.0f / 127.0f;      // fp32(1/127)
-constexpr float kInv127Sq = 1.0f / 16129.0f;  // fp32(1/127^2)
-constexpr int64_t kMaxInt8K = (int64_t(1) << 31) / (128 * 127) - 1;
+using int8::kInv127;
+using int8::kInv127Sq;
+constexpr int64_t kMaxInt8K = int8::kMaxK;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -44,12 +45,8 @@ constexpr int64_t kOutlierRowsPerCta = 256;
 
 __device__ __forceinline__ bool is_outlier(float a, float threshold) { return threshold > 0.0f && a >= threshold; }
 
-__device__ __forceinline__ int8_t quantize_elem(float x, float mult) {
-  float s = __fmul_rn(x, mult);
-  if (!(s == s)) return 0;
-  s = s < -127.0f ? -127.0f : (s > 127.0f ? 127.0f : s);
-  return int8_t(__float2int_rn(s));
-}
+// (q4/int8.h)
+__device__ __forceinline__ int8_t quantize_elem(float x, float mult) { return int8::quantize(x, mult); }
 
 // ------------------------------------------------------------ quantization
 
@@ -101,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // warp_max is rewritten for the next row
     const float stat = nan ? __builtin_nanf("") : m;
     if (threadIdx.x == 0) row_stats[r] = stat;
-    const float mult = __fmul_rn(__fdiv_rn(1.0f, stat), 127.0f);
+    const float mult = int8::row_multiplier(stat);
     int8_t* qr = q + r * q_stride;
     for (int64_t c = threadIdx.x; c < q_stride; c += blockDim.x) {
       int8_t v = 0;
