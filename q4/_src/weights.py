@@ -58,13 +58,19 @@ def quantize_weight_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(over="ignore"):
         w16 = np.ascontiguousarray(w.astype(np.float32).astype(np.float16))
     cb, scb, _ = int8_quantize_rows(w16, 0.0)
-    bad = ~np.isfinite(scb)
-    if bad.any():
-        raise ValueError(
-            f"cannot quantize: weight rows {np.nonzero(bad)[0][:8].tolist()} are not finite after rounding to "
-            f"float16 (float16 holds at most 65504)"
-        )
+    check_int8_scales(scb)
     return cb, scb
+
+
+def check_int8_scales(scb) -> None:
+    """The one check of an int8 weight's row scales: a row that is not finite
+    after the float16 rounding (|w| > 65504) is refused, named by index."""
+    bad = np.nonzero(~np.isfinite(np.asarray(scb)))[0]
+    if bad.size:
+        raise ValueError(
+            f"cannot quantize: weight rows {bad[:8].tolist()} are not finite after rounding to "
+            "float16 (float16 holds at most 65504)"
+        )
 
 
 def dequantize_weight_int8(cb: np.ndarray, scb: np.ndarray) -> np.ndarray:

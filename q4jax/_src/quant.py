@@ -17,6 +17,7 @@ import numpy as np
 
 from q4._src import formats
 from q4._src.quant_state import QuantState as NpQuantState
+from q4._src.weights import check_int8_scales
 from q4jax._src import ffi
 
 
@@ -201,10 +202,5 @@ def quantize_int8_weight(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     w16 = w.astype(jnp.float32).astype(jnp.float16)
     cb, scb = ffi.int8_quantize_rows_raw(w16)
     if not isinstance(scb, jax.core.Tracer):
-        bad = np.nonzero(~np.isfinite(np.asarray(scb)))[0]
-        if bad.size:
-            raise ValueError(
-                f"cannot quantize: weight rows {bad[:8].tolist()} are not finite after rounding to "
-                "float16 (float16 holds at most 65504)"
-            )
+        check_int8_scales(scb)
     return cb, scb
