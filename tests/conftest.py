@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -51,17 +52,35 @@ def _use_isa(name):
     return before
 
 
+@contextlib.contextmanager
+def on_isa(name):
+    """Run on CPU level `name` (a level the processor lacks: not run, named),
+    then restore the previous level and the default thread count."""
+    before = _use_isa(name)
+    try:
+        yield name
+    finally:
+        q4.set_cpu_isa(before)
+        q4.set_num_threads(0)
+
+
 @pytest.fixture(params=["avx2", "scalar"])
 def isa(request):
     """Run a test once per CPU path (a path the processor lacks is skipped)."""
-    before = _use_isa(request.param)
-    yield request.param
-    q4.set_cpu_isa(before)
+    with on_isa(request.param) as name:
+        yield name
 
 
 @pytest.fixture(params=["avx512_bf16", "avx512", "avx2", "scalar"])
 def isa_all(request):
     """As `isa`, plus the AVX-512 levels (their kernels: kernels/cpu/dispatch.h)."""
-    before = _use_isa(request.param)
-    yield request.param
-    q4.set_cpu_isa(before)
+    with on_isa(request.param) as name:
+        yield name
+
+
+@pytest.fixture
+def module_isa(request):
+    """Every test of a module on the CPU level named by its `ISA` constant
+    (``pytestmark = pytest.mark.usefixtures("module_isa")``)."""
+    with on_isa(request.module.ISA) as name:
+        yield name

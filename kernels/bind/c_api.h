@@ -41,45 +41,17 @@ Q4_API void q4_set_cpu_num_threads(int32_t n);
 Q4_API void q4_set_cpu_fork_join(void* gomp_parallel);
 Q4_API void* q4_cpu_fork_join(void);
 
-Q4_API int32_t q4_quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, int32_t quant_type,
-                                uint8_t* packed, int64_t packed_size, float* absmax, int64_t absmax_size);
-Q4_API int32_t q4_dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax, int64_t absmax_size,
-                                  int64_t n, int64_t blocksize, int32_t quant_type, void* out, int32_t out_dtype);
-/* code: 256 sorted floats, or NULL for the dynamic map. */
-Q4_API int32_t q4_quantize_blockwise(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize, const float* code,
-                                     uint8_t* codes, int64_t codes_size, float* absmax, int64_t absmax_size);
-/* add_offset != 0: out = fp32(code[q] * absmax) + offset (nested absmax). */
-Q4_API int32_t q4_dequantize_blockwise(const uint8_t* codes, int64_t n, const float* absmax, int64_t absmax_size,
-                                       int64_t blocksize, const float* code, int32_t add_offset, float offset,
-                                       void* out, int32_t out_dtype);
-Q4_API int32_t q4_quantize_nested(const float* absmax, int64_t n_blocks, uint8_t* codes, float* absmax2,
-                                  int64_t absmax2_size, float* offset);
+/* The list of every op's name and parameters, one per line:
+ * "name(parameters)\n..." (read by the Python packages for their ctypes
+ * signatures and FFI registrations). */
+Q4_API const char* q4_ops(void);
 
-/* Fused matmuls. A 4-bit weight W [n, k] is `packed` (ceil(n*k/2) bytes) with
- * per-block scales given either plain (absmax != NULL, nested_codes == NULL)
- * or nested (nested_codes, nested_absmax[nested_absmax_size], nested_code[256]
- * or NULL for the dynamic map, nested_offset); n_blocks = ceil(n*k/blocksize).
- * bias may be NULL. */
-Q4_API int32_t q4_gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k, const uint8_t* packed,
-                            int64_t packed_size, const float* absmax, const uint8_t* nested_codes,
-                            const float* nested_absmax, int64_t nested_absmax_size, const float* nested_code,
-                            float nested_offset, int64_t n_blocks, int64_t blocksize, int32_t quant_type,
-                            const void* bias, int32_t bias_dtype, void* out, int32_t out_dtype);
-Q4_API int32_t q4_gemm_4bit_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n, int64_t k,
-                                       const uint8_t* packed, int64_t packed_size, const float* absmax,
-                                       const uint8_t* nested_codes, const float* nested_absmax,
-                                       int64_t nested_absmax_size, const float* nested_code, float nested_offset,
-                                       int64_t n_blocks, int64_t blocksize, int32_t quant_type, void* grad_input,
-                                       int32_t grad_input_dtype);
-/* LLM.int8 (see Int8*Params in q4/kernels.h). outlier_cols may be NULL. */
-Q4_API int32_t q4_int8_quantize_rows(const void* x, int32_t x_dtype, int64_t rows, int64_t cols, float threshold,
-                                     int8_t* q, float* row_stats, uint8_t* outlier_cols);
-Q4_API int32_t q4_int8_linear(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k, const int8_t* weight,
-                              const float* weight_scale, float threshold, const void* bias, int32_t bias_dtype,
-                              void* out, int32_t out_dtype);
-Q4_API int32_t q4_int8_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n, int64_t k,
-                                  const int8_t* weight, const float* weight_scale, void* grad_input,
-                                  int32_t grad_input_dtype);
+/* The ops: q4_<name>(parameters) for each entry of c_api_ops.inc (read it for
+ * the parameters and contracts). */
+#define Q4_STRIP(...) __VA_ARGS__
+#define Q4_OP(name, params, args) Q4_API int32_t q4_##name params;
+#include "c_api_ops.inc"
+#undef Q4_OP
 
 #ifdef __cplusplus
 }

@@ -114,7 +114,9 @@ inline Absmax4 scales(const float* absmax, const uint8_t* nested_codes, const fl
 }
 
 inline Gemm4bitParams gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k, const uint8_t* packed,
-                                int64_t packed_size, Absmax4 scales, int64_t blocksize, int32_t quant_type,
+                                int64_t packed_size, const float* absmax, const uint8_t* nested_codes,
+                                const float* nested_absmax, int64_t nested_absmax_size, const float* nested_code,
+                                float nested_offset, int64_t n_blocks, int64_t blocksize, int32_t quant_type,
                                 const void* bias, int32_t bias_dtype, void* out, int32_t out_dtype) {
   Gemm4bitParams p;
   p.x = x;
@@ -124,7 +126,7 @@ inline Gemm4bitParams gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64
   p.k = k;
   p.packed = packed;
   p.packed_size = packed_size;
-  p.scales = scales;
+  p.scales = scales(absmax, nested_codes, nested_absmax, nested_absmax_size, nested_code, nested_offset, n_blocks);
   p.blocksize = blocksize;
   p.quant_type = static_cast<QuantType>(quant_type);
   p.bias = bias;
@@ -136,8 +138,11 @@ inline Gemm4bitParams gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64
 
 inline Gemm4bitGradInputParams gemm_4bit_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n,
                                                     int64_t k, const uint8_t* packed, int64_t packed_size,
-                                                    Absmax4 scales, int64_t blocksize, int32_t quant_type,
-                                                    void* grad_input, int32_t grad_input_dtype) {
+                                                    const float* absmax, const uint8_t* nested_codes,
+                                                    const float* nested_absmax, int64_t nested_absmax_size,
+                                                    const float* nested_code, float nested_offset, int64_t n_blocks,
+                                                    int64_t blocksize, int32_t quant_type, void* grad_input,
+                                                    int32_t grad_input_dtype) {
   Gemm4bitGradInputParams p;
   p.grad_out = grad_out;
   p.grad_out_dtype = static_cast<DType>(grad_out_dtype);
@@ -146,7 +151,7 @@ inline Gemm4bitGradInputParams gemm_4bit_grad_input(const void* grad_out, int32_
   p.k = k;
   p.packed = packed;
   p.packed_size = packed_size;
-  p.scales = scales;
+  p.scales = scales(absmax, nested_codes, nested_absmax, nested_absmax_size, nested_code, nested_offset, n_blocks);
   p.blocksize = blocksize;
   p.quant_type = static_cast<QuantType>(quant_type);
   p.grad_input = grad_input;

@@ -25,34 +25,36 @@ ffi::Error on_pool(ffi::ThreadPool& pool, F&& body) {
   return body();
 }
 
-ffi::Error Quantize4bit(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> packed,
-                        ffi::Result<ffi::Buffer<ffi::F32>> absmax, int64_t n, int64_t blocksize, int64_t quant_type) {
+namespace host {  // the handlers, one per op of c_api_ops.inc
+
+ffi::Error quantize_4bit(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> packed,
+                         ffi::Result<ffi::Buffer<ffi::F32>> absmax, int64_t n, int64_t blocksize, int64_t quant_type) {
   return on_pool(pool, [&] {
     return quantize_4bit_batched(x, packed, absmax, n, blocksize, quant_type,
                                  [](const Quantize4bitParams& p) { return cpu::quantize_4bit(p); });
   });
 }
 
-ffi::Error Dequantize4bit(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> absmax,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t quant_type) {
+ffi::Error dequantize_4bit(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> absmax,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t quant_type) {
   return on_pool(pool, [&] {
     return dequantize_4bit_batched(packed, absmax, out, n, blocksize, quant_type,
                                    [](const Dequantize4bitParams& p) { return cpu::dequantize_4bit(p); });
   });
 }
 
-ffi::Error QuantizeBlockwise(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> code,
-                             ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::F32>> absmax,
-                             int64_t n, int64_t blocksize) {
+ffi::Error quantize_blockwise(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> code,
+                              ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::F32>> absmax,
+                              int64_t n, int64_t blocksize) {
   return on_pool(pool, [&] {
     return quantize_blockwise_batched(x, code, codes, absmax, n, blocksize,
                                       [](const QuantizeBlockwiseParams& p) { return cpu::quantize_blockwise(p); });
   });
 }
 
-ffi::Error DequantizeBlockwise(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> absmax,
-                               ffi::Buffer<ffi::F32> code, ffi::Buffer<ffi::F32> offset,
-                               ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t add_offset) {
+ffi::Error dequantize_blockwise(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> absmax,
+                                ffi::Buffer<ffi::F32> code, ffi::Buffer<ffi::F32> offset,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t add_offset) {
   return on_pool(pool, [&] {
     return dequantize_blockwise_batched(codes, absmax, code, offset, out, n, blocksize, add_offset,
                                         [](DequantizeBlockwiseParams p, const float* offset) {
@@ -62,29 +64,29 @@ ffi::Error DequantizeBlockwise(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes,
   });
 }
 
-ffi::Error QuantizeNested(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> absmax, ffi::Result<ffi::Buffer<ffi::U8>> codes,
-                          ffi::Result<ffi::Buffer<ffi::F32>> absmax2, ffi::Result<ffi::Buffer<ffi::F32>> offset,
-                          int64_t n_blocks) {
+ffi::Error quantize_nested(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> absmax, ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                           ffi::Result<ffi::Buffer<ffi::F32>> absmax2, ffi::Result<ffi::Buffer<ffi::F32>> offset,
+                           int64_t n_blocks) {
   return on_pool(pool, [&] {
     return quantize_nested_batched(absmax, codes, absmax2, offset, n_blocks,
                                    [](const QuantizeNestedParams& p) { return cpu::quantize_nested(p); });
   });
 }
 
-ffi::Error Gemm4bit(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
-                    ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
-                    ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
-                    int64_t nested) {
+ffi::Error gemm_4bit(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                     ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
+                     int64_t nested) {
   return on_pool(pool, [&] {
     return gemm_4bit_batched(x, packed, absmax, nested_absmax, nested_offset, bias, out, n, k, blocksize, quant_type,
                              nested, [](const Gemm4bitParams& p) { return cpu::gemm_4bit(p); });
   });
 }
 
-ffi::Error Gemm4bitGradInput(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
-                             ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
-                             ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
-                             int64_t k, int64_t blocksize, int64_t quant_type, int64_t nested) {
+ffi::Error gemm_4bit_grad_input(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
+                                ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
+                                ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
+                                int64_t k, int64_t blocksize, int64_t quant_type, int64_t nested) {
   return on_pool(pool, [&] {
     return gemm_4bit_grad_input_batched(grad_out, packed, absmax, nested_absmax, nested_offset, grad_input, n, k,
                                         blocksize, quant_type, nested,
@@ -92,63 +94,40 @@ ffi::Error Gemm4bitGradInput(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi:
   });
 }
 
-ffi::Error Int8QuantizeRows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
-                            ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols) {
+ffi::Error int8_quantize_rows(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
+                              ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols) {
   return on_pool(pool, [&] {
     return int8_quantize_rows_batched(x, q, row_stats, cols,
                                       [](const Int8QuantizeRowsParams& p) { return cpu::int8_quantize_rows(p); });
   });
 }
 
-ffi::Error Int8Linear(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
-                      ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, float threshold) {
+ffi::Error int8_linear(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
+                       ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, float threshold) {
   return on_pool(pool, [&] {
     return int8_linear_batched(x, weight, scale, bias, out, n, k, threshold,
                                [](const Int8LinearParams& p) { return cpu::int8_linear(p); });
   });
 }
 
-ffi::Error Int8GradInput(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight,
-                         ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k) {
+ffi::Error int8_grad_input(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight,
+                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k) {
   return on_pool(pool, [&] {
     return int8_grad_input_batched(grad_out, weight, scale, grad_input, n, k,
                                    [](const Int8GradInputParams& p) { return cpu::int8_grad_input(p); });
   });
 }
 
+}  // namespace host
 }  // namespace
 }  // namespace xla_bind
 }  // namespace q4
 
 namespace xb = q4::xla_bind;
 
-Q4_FFI_HANDLER(q4_ffi_quantize_4bit)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_quantize_4bit, xb::Quantize4bit,
-                              xb::bind_quantize_4bit(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_dequantize_4bit)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_dequantize_4bit, xb::Dequantize4bit,
-                              xb::bind_dequantize_4bit(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_quantize_blockwise)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_quantize_blockwise, xb::QuantizeBlockwise,
-                              xb::bind_quantize_blockwise(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_dequantize_blockwise)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_dequantize_blockwise, xb::DequantizeBlockwise,
-                              xb::bind_dequantize_blockwise(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_quantize_nested)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_quantize_nested, xb::QuantizeNested,
-                              xb::bind_quantize_nested(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_gemm_4bit)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_gemm_4bit, xb::Gemm4bit,
-                              xb::bind_gemm_4bit(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_gemm_4bit_grad_input)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_gemm_4bit_grad_input, xb::Gemm4bitGradInput,
-                              xb::bind_gemm_4bit_grad_input(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_int8_quantize_rows)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_quantize_rows, xb::Int8QuantizeRows,
-                              xb::bind_int8_quantize_rows(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_int8_linear)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_linear, xb::Int8Linear,
-                              xb::bind_int8_linear(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
-Q4_FFI_HANDLER(q4_ffi_int8_grad_input)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_int8_grad_input, xb::Int8GradInput,
-                              xb::bind_int8_grad_input(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
+#define Q4_OP(name, params, args)                              \
+  Q4_FFI_HANDLER(q4_ffi_##name)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_##name, xb::host::name, \
+                                xb::bind_##name(xb::ffi::Ffi::Bind().Ctx<xb::ffi::ThreadPool>()));
+#include "c_api_ops.inc"
+#undef Q4_OP

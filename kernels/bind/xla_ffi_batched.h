@@ -512,17 +512,25 @@ ffi::Error int8_quantize_rows_batched(ffi::AnyBuffer x, ffi::Result<ffi::Buffer<
   return to_ffi(run(p));
 }
 
+// The stacked int8 weights (CB [items, n, k], SCB [items, n]) of an LLM.int8
+// matmul: their number, and the row sizes k * items and n * items.
+inline ffi::Error int8_weight_items(ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale, int64_t n, int64_t k,
+                                    int64_t* items, int64_t* k_items, int64_t* n_items) {
+  if (n <= 0 || k <= 0) return invalid("n and k must be positive");
+  int64_t nk = 0;
+  Q4_FFI_CHECK(count_of("weight size n*k", n, k, &nk));
+  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), nk, items));
+  Q4_FFI_CHECK(count_of("k*items", k, *items, k_items));
+  Q4_FFI_CHECK(count_of("n*items", n, *items, n_items));
+  return same_batch("weight scale", scale.element_count(), n, *items);
+}
+
 template <class Run>
 ffi::Error int8_linear_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
                                ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k,
                                float threshold, Run run) {
-  if (n <= 0 || k <= 0) return invalid("n and k must be positive");
-  int64_t items = 0, rows = 0, nk = 0, k_items = 0, n_items = 0;
-  Q4_FFI_CHECK(count_of("weight size n*k", n, k, &nk));
-  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), nk, &items));
-  Q4_FFI_CHECK(count_of("k*items", k, items, &k_items));
-  Q4_FFI_CHECK(count_of("n*items", n, items, &n_items));
-  Q4_FFI_CHECK(same_batch("weight scale", scale.element_count(), n, items));
+  int64_t items = 0, rows = 0, k_items = 0, n_items = 0;
+  Q4_FFI_CHECK(int8_weight_items(weight, scale, n, k, &items, &k_items, &n_items));
   Int8LinearParams p;
   if (!dtype_of(x.element_type(), &p.x_dtype)) return invalid("int8_linear input must be a float type");
   if (!dtype_of(out->element_type(), &p.out_dtype)) return invalid("int8_linear output must be a float type");
@@ -551,13 +559,8 @@ ffi::Error int8_linear_batched(ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ff
 template <class Run>
 ffi::Error int8_grad_input_batched(ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
                                    ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k, Run run) {
-  if (n <= 0 || k <= 0) return invalid("n and k must be positive");
-  int64_t items = 0, rows = 0, nk = 0, k_items = 0, n_items = 0;
-  Q4_FFI_CHECK(count_of("weight size n*k", n, k, &nk));
-  Q4_FFI_CHECK(batch_of("int8 weight", weight.element_count(), nk, &items));
-  Q4_FFI_CHECK(count_of("k*items", k, items, &k_items));
-  Q4_FFI_CHECK(count_of("n*items", n, items, &n_items));
-  Q4_FFI_CHECK(same_batch("weight scale", scale.element_count(), n, items));
+  int64_t items = 0, rows = 0, k_items = 0, n_items = 0;
+  Q4_FFI_CHECK(int8_weight_items(weight, scale, n, k, &items, &k_items, &n_items));
   Int8GradInputParams p;
   if (!dtype_of(grad_out.element_type(), &p.grad_out_dtype)) return invalid("grad_out must be a float type");
   if (!dtype_of(grad_input->element_type(), &p.grad_input_dtype)) return invalid("grad_input must be a float type");

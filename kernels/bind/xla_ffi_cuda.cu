@@ -16,80 +16,80 @@ namespace {
 
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
-ffi::Error CudaQuantize4bit(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> packed,
-                            ffi::Result<ffi::Buffer<ffi::F32>> absmax, int64_t n, int64_t blocksize,
-                            int64_t quant_type) {
+namespace device {  // the handlers, one per op of c_api_ops.inc
+
+ffi::Error quantize_4bit(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::U8>> packed,
+                         ffi::Result<ffi::Buffer<ffi::F32>> absmax, int64_t n, int64_t blocksize, int64_t quant_type) {
   return quantize_4bit_batched(x, packed, absmax, n, blocksize, quant_type,
                                [&](const Quantize4bitParams& p) { return cuda::quantize_4bit(p, stream); });
 }
 
-ffi::Error CudaDequantize4bit(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> absmax,
-                              ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t quant_type) {
+ffi::Error dequantize_4bit(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> absmax,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t quant_type) {
   return dequantize_4bit_batched(packed, absmax, out, n, blocksize, quant_type,
                                  [&](const Dequantize4bitParams& p) { return cuda::dequantize_4bit(p, stream); });
 }
 
-ffi::Error CudaQuantizeBlockwise(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> code,
-                                 ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::F32>> absmax,
-                                 int64_t n, int64_t blocksize) {
+ffi::Error quantize_blockwise(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> code,
+                              ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::F32>> absmax,
+                              int64_t n, int64_t blocksize) {
   return quantize_blockwise_batched(x, code, codes, absmax, n, blocksize, [&](const QuantizeBlockwiseParams& p) {
     return cuda::quantize_blockwise(p, stream);
   });
 }
 
-ffi::Error CudaDequantizeBlockwise(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> absmax,
-                                   ffi::Buffer<ffi::F32> code, ffi::Buffer<ffi::F32> offset,
-                                   ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t add_offset) {
+ffi::Error dequantize_blockwise(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> absmax,
+                                ffi::Buffer<ffi::F32> code, ffi::Buffer<ffi::F32> offset,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t blocksize, int64_t add_offset) {
   return dequantize_blockwise_batched(codes, absmax, code, offset, out, n, blocksize, add_offset,
                                       [&](const DequantizeBlockwiseParams& p, const float* offset_on_device) {
                                         return cuda::dequantize_blockwise_device_offset(p, offset_on_device, stream);
                                       });
 }
 
-ffi::Error CudaQuantizeNested(cudaStream_t stream, ffi::Buffer<ffi::F32> absmax,
-                              ffi::Result<ffi::Buffer<ffi::U8>> codes, ffi::Result<ffi::Buffer<ffi::F32>> absmax2,
-                              ffi::Result<ffi::Buffer<ffi::F32>> offset, int64_t n_blocks) {
+ffi::Error quantize_nested(cudaStream_t stream, ffi::Buffer<ffi::F32> absmax, ffi::Result<ffi::Buffer<ffi::U8>> codes,
+                           ffi::Result<ffi::Buffer<ffi::F32>> absmax2, ffi::Result<ffi::Buffer<ffi::F32>> offset,
+                           int64_t n_blocks) {
   return quantize_nested_batched(absmax, codes, absmax2, offset, n_blocks,
                                  [&](const QuantizeNestedParams& p) { return cuda::quantize_nested(p, stream); });
 }
 
-ffi::Error CudaGemm4bit(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
-                        ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
-                        ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
-                        int64_t nested) {
+ffi::Error gemm_4bit(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                     ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
+                     int64_t nested) {
   return gemm_4bit_batched(x, packed, absmax, nested_absmax, nested_offset, bias, out, n, k, blocksize, quant_type,
                            nested, [&](const Gemm4bitParams& p) { return cuda::gemm_4bit(p, stream); });
 }
 
-ffi::Error CudaGemm4bitGradInput(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
-                                 ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
-                                 ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
-                                 int64_t k, int64_t blocksize, int64_t quant_type, int64_t nested) {
+ffi::Error gemm_4bit_grad_input(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
+                                ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
+                                ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
+                                int64_t k, int64_t blocksize, int64_t quant_type, int64_t nested) {
   return gemm_4bit_grad_input_batched(
       grad_out, packed, absmax, nested_absmax, nested_offset, grad_input, n, k, blocksize, quant_type, nested,
       [&](const Gemm4bitGradInputParams& p) { return cuda::gemm_4bit_grad_input(p, stream); });
 }
 
-ffi::Error CudaInt8QuantizeRows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
-                                ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols) {
+ffi::Error int8_quantize_rows(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::S8>> q,
+                              ffi::Result<ffi::Buffer<ffi::F32>> row_stats, int64_t cols) {
   return int8_quantize_rows_batched(
       x, q, row_stats, cols, [&](const Int8QuantizeRowsParams& p) { return cuda::int8_quantize_rows(p, stream); });
 }
 
-ffi::Error CudaInt8Linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight,
-                          ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n,
-                          int64_t k, float threshold) {
+ffi::Error int8_linear(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> weight, ffi::Buffer<ffi::F32> scale,
+                       ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, float threshold) {
   return int8_linear_batched(x, weight, scale, bias, out, n, k, threshold,
                              [&](const Int8LinearParams& p) { return cuda::int8_linear(p, stream); });
 }
 
-ffi::Error CudaInt8GradInput(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight,
-                             ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,
-                             int64_t k) {
+ffi::Error int8_grad_input(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::S8> weight,
+                           ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n, int64_t k) {
   return int8_grad_input_batched(grad_out, weight, scale, grad_input, n, k,
                                  [&](const Int8GradInputParams& p) { return cuda::int8_grad_input(p, stream); });
 }
 
+}  // namespace device
 }  // namespace
 }  // namespace xla_bind
 }  // namespace q4
@@ -97,30 +97,8 @@ ffi::Error CudaInt8GradInput(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::
 namespace xb = q4::xla_bind;
 #define Q4_CUDA_BIND() xb::ffi::Ffi::Bind().Ctx<xb::Stream>()
 
-Q4_FFI_HANDLER(q4_ffi_cuda_quantize_4bit)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_quantize_4bit, xb::CudaQuantize4bit, xb::bind_quantize_4bit(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_dequantize_4bit)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_dequantize_4bit, xb::CudaDequantize4bit,
-                              xb::bind_dequantize_4bit(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_quantize_blockwise)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_quantize_blockwise, xb::CudaQuantizeBlockwise,
-                              xb::bind_quantize_blockwise(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_dequantize_blockwise)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_dequantize_blockwise, xb::CudaDequantizeBlockwise,
-                              xb::bind_dequantize_blockwise(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_quantize_nested)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_quantize_nested, xb::CudaQuantizeNested,
-                              xb::bind_quantize_nested(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_gemm_4bit)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_gemm_4bit, xb::CudaGemm4bit, xb::bind_gemm_4bit(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_gemm_4bit_grad_input)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_gemm_4bit_grad_input, xb::CudaGemm4bitGradInput,
-                              xb::bind_gemm_4bit_grad_input(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_int8_quantize_rows)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_quantize_rows, xb::CudaInt8QuantizeRows,
-                              xb::bind_int8_quantize_rows(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_int8_linear)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_linear, xb::CudaInt8Linear, xb::bind_int8_linear(Q4_CUDA_BIND()));
-Q4_FFI_HANDLER(q4_ffi_cuda_int8_grad_input)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_int8_grad_input, xb::CudaInt8GradInput,
-                              xb::bind_int8_grad_input(Q4_CUDA_BIND()));
+#define Q4_OP(name, params, args)    \
+  Q4_FFI_HANDLER(q4_ffi_cuda_##name) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(q4_ffi_cuda_##name, xb::device::name, xb::bind_##name(Q4_CUDA_BIND()));
+#include "c_api_ops.inc"
+#undef Q4_OP

@@ -94,9 +94,9 @@ def packed_bytes(n: int) -> int:
     return (n + 1) // 2
 
 
-def check_packed_size(nbytes: int, n: int, what: str, described: str) -> None:
+def check_packed_size(nbytes: int, n: int, what: str, described: str, error: type[ValueError] = ValueError) -> None:
     """The one size check of packed 4-bit bytes: n elements take ceil(n/2)
-    bytes; ValueError "<what> has <nbytes> bytes, <described> needs <need>"."""
+    bytes; `error` (a ValueError) "<what> has <nbytes> bytes, <described> needs <need>"."""
     need = packed_bytes(n)
     if nbytes != need:
-        raise ValueError(f"{what} has {nbytes} bytes, {described} needs {need}")
+        raise error(f"{what} has {nbytes} bytes, {described} needs {need}")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 _LIB_NAME = "libq4.so"
-_EXPECTED_ABI = 1
+_EXPECTED_ABI = 2
 
 
 class NativeLibraryError(RuntimeError):
@@ -61,79 +61,41 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_set_cpu_num_threads": (None, [c_int32]),
     "q4_set_cpu_fork_join": (None, [c_void_p]),
     "q4_cpu_fork_join": (c_void_p, []),
-    "q4_quantize_4bit": (
-        c_int32,
-        [c_void_p, c_int32, c_int64, c_int64, c_int32, c_void_p, c_int64, c_void_p, c_int64],
-    ),
-    "q4_dequantize_4bit": (
-        c_int32,
-        [c_void_p, c_int64, c_void_p, c_int64, c_int64, c_int64, c_int32, c_void_p, c_int32],
-    ),
-    "q4_quantize_blockwise": (
-        c_int32,
-        [c_void_p, c_int32, c_int64, c_int64, c_void_p, c_void_p, c_int64, c_void_p, c_int64],
-    ),
-    "q4_dequantize_blockwise": (
-        c_int32,
-        [c_void_p, c_int64, c_void_p, c_int64, c_int64, c_void_p, c_int32, c_float, c_void_p, c_int32],
-    ),
-    "q4_quantize_nested": (c_int32, [c_void_p, c_int64, c_void_p, c_void_p, c_int64, c_void_p]),
-    # scales: absmax, nested_codes, nested_absmax, nested_absmax_size, nested_code, nested_offset, n_blocks
-    "q4_gemm_4bit": (
-        c_int32,
-        [c_void_p, c_int32, c_int64, c_int64, c_int64, c_void_p, c_int64]
-        + [c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_float, c_int64]
-        + [c_int64, c_int32, c_void_p, c_int32, c_void_p, c_int32],
-    ),
-    "q4_gemm_4bit_grad_input": (
-        c_int32,
-        [c_void_p, c_int32, c_int64, c_int64, c_int64, c_void_p, c_int64]
-        + [c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_float, c_int64]
-        + [c_int64, c_int32, c_void_p, c_int32],
-    ),
-    "q4_int8_quantize_rows": (c_int32, [c_void_p, c_int32, c_int64, c_int64, c_float, c_void_p, c_void_p, c_void_p]),
-    "q4_int8_linear": (
-        c_int32,
-        [
-            c_void_p,
-            c_int32,
-            c_int64,
-            c_int64,
-            c_int64,
-            c_void_p,
-            c_void_p,
-            c_float,
-            c_void_p,
-            c_int32,
-            c_void_p,
-            c_int32,
-        ],
-    ),
-    "q4_int8_grad_input": (
-        c_int32,
-        [c_void_p, c_int32, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_int32],
-    ),
+    "q4_ops": (ctypes.c_char_p, []),
 }
 
-# Ops with a CUDA twin q4_cuda_<op>(..., stream).
-CUDA_OPS = (
-    "quantize_4bit",
-    "dequantize_4bit",
-    "quantize_blockwise",
-    "dequantize_blockwise",
-    "quantize_nested",
-    "gemm_4bit",
-    "gemm_4bit_grad_input",
-    "int8_quantize_rows",
-    "int8_linear",
-    "int8_grad_input",
-)
+# C parameter types of the op list -> ctypes (every pointer is passed as an address)
+_C_TYPES = {"int32_t": c_int32, "int64_t": c_int64, "float": c_float}
 
-_CUDA_SIGNATURES = {
+
+def parse_ops(text: str) -> dict[str, list[Any]]:
+    """The op list returned by q4_ops() ("name(type name, ...)" per line) as
+    {name: ctypes argtypes}; the ops' single source is kernels/bind/c_api_ops.inc."""
+    ops: dict[str, list[Any]] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, _, params = line.partition("(")
+        if not params.endswith(")") or not name.isidentifier():
+            raise NativeLibraryError(f"malformed op entry {line!r} in the library's op list")
+        argtypes: list[Any] = []
+        for param in params[:-1].split(","):
+            ctype = param.strip().rsplit(" ", 1)[0].strip()
+            if ctype.endswith("*"):
+                argtypes.append(c_void_p)
+            elif ctype in _C_TYPES:
+                argtypes.append(_C_TYPES[ctype])
+            else:
+                raise NativeLibraryError(f"op {name}: parameter type {ctype!r} has no ctypes mapping")
+        ops[name] = argtypes
+    return ops
+
+
+_CUDA_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_cuda_last_error": (ctypes.c_char_p, []),
     "q4_cuda_device_count": (c_int32, []),
-    **{"q4_cuda_" + op: (_SIGNATURES["q4_" + op][0], [*_SIGNATURES["q4_" + op][1], c_void_p]) for op in CUDA_OPS},
 }
+_OPS: dict[str, list[Any]] = {}  # the loaded library's op list (op name -> argtypes)
 
 _lib: ctypes.CDLL | None = None
 _path: Path | None = None
@@ -159,10 +121,16 @@ def _load() -> ctypes.CDLL:
             except AttributeError as e:
                 raise NativeLibraryError(f"{path} lacks symbol {name}: rebuild q4 (pip install .)") from e
             fn.restype, fn.argtypes = restype, argtypes
+        ops = parse_ops(lib.q4_ops().decode())
+        signatures = {"q4_" + op: (c_int32, argtypes) for op, argtypes in ops.items()}
         if lib.q4_has_cuda():
-            for name, (restype, argtypes) in _CUDA_SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = restype, argtypes
+            signatures.update(_CUDA_SIGNATURES)
+            signatures.update({"q4_cuda_" + op: (c_int32, [*argtypes, c_void_p]) for op, argtypes in ops.items()})
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        _OPS.clear()
+        _OPS.update(ops)
         abi = lib.q4_abi_version()
         if abi != _EXPECTED_ABI:
             raise NativeLibraryError(f"{path} has ABI version {abi}, this q4 needs {_EXPECTED_ABI}: rebuild q4")
@@ -197,6 +165,13 @@ def check_cuda(status: int) -> None:
     if status != 0:
         msg = lib().q4_cuda_last_error().decode("utf-8", "replace")
         raise KernelError(msg or f"q4 CUDA kernel failed with status {status}")
+
+
+def op_names() -> tuple[str, ...]:
+    """The library's ops (kernels/bind/c_api_ops.inc): q4_<op> and, with CUDA,
+    q4_cuda_<op>, plus the XLA FFI handlers q4_ffi_<op> / q4_ffi_cuda_<op>."""
+    lib()
+    return tuple(_OPS)
 
 
 def has_cuda() -> bool:

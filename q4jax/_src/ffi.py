@@ -16,18 +16,6 @@ import numpy as np
 
 from q4._src import formats, native
 
-_OPS = (
-    "quantize_4bit",
-    "dequantize_4bit",
-    "quantize_blockwise",
-    "dequantize_blockwise",
-    "quantize_nested",
-    "gemm_4bit",
-    "gemm_4bit_grad_input",
-    "int8_quantize_rows",
-    "int8_linear",
-    "int8_grad_input",
-)
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
@@ -35,7 +23,7 @@ _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloa
 def register() -> None:
     """Register the FFI targets with XLA (idempotent)."""
     lib = native.lib()
-    for op in _OPS:
+    for op in native.op_names():
         try:
             handler = getattr(lib, "q4_ffi_" + op)
         except AttributeError as e:

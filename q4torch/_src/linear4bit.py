@@ -150,7 +150,7 @@ class Params4bit(nn.Parameter):
         without the ``weight.`` prefix). Every entry is validated; the caller's
         tensors are copied, never aliased."""
         quant_state = F.QuantState.from_dict(dict(quantized_stats), device=device)
-        _check_packed(data, quant_state, "weight")
+        check_packed(data, quant_state, "weight")
         self = cls(
             data.detach().to(device, copy=True),
             requires_grad=requires_grad,
@@ -243,55 +243,24 @@ def _rebuild_params4bit(state):
     return p
 
 
-def _check_packed(data: torch.Tensor, quant_state: F.QuantState, key: str) -> None:
+def check_packed(data: torch.Tensor, quant_state: F.QuantState, key: str) -> None:
+    """A packed weight's bytes (whatever its storage dtype) against its QuantState's shape."""
     n = 1
     for s in quant_state.shape:
         n *= int(s)
-    want = (n + 1) // 2
-    got = data.numel() * data.element_size()
-    if got != want:
-        raise q4.QuantStateError(
-            f"'{key}' holds {got} bytes, but its quant_state shape {tuple(quant_state.shape)} needs {want}"
-        )
+    formats.check_packed_size(
+        data.numel() * data.element_size(),
+        n,
+        f"'{key}'",
+        f"its quant_state shape {tuple(quant_state.shape)}",
+        q4.QuantStateError,
+    )
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     """Whether t is a DTensor (without importing torch.distributed when nothing else has)."""
     tensor_mod = sys.modules.get("torch.distributed.tensor")
     return tensor_mod is not None and isinstance(t, tensor_mod.DTensor)
-
-
-# Attributes a Params4bit resolves from its QuantState, set as plain attributes on a
-# parameter that FSDP2 installs in its place (a DTensor shard or the all-gathered tensor),
-# so that code reading ``layer.weight.quant_state`` and state-dict traversal by getattr
-# (torch.distributed.checkpoint.state_dict resolves "weight.absmax") keep working.
-_PROXIES = {
-    "absmax": lambda qs: qs.absmax,
-    "quant_map": lambda qs: qs.code,
-    "nested_absmax": lambda qs: qs.state2.absmax if qs.nested else None,
-    "nested_quant_map": lambda qs: qs.state2.code if qs.nested else None,
-}
-
-
-def attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
-    """Let a parameter that is not a Params4bit carry the layer's QuantState
-    (the same object: the layer's state stays the one source of truth)."""
-    attrs = {
-        "quant_state": quant_state,
-        "quant_type": quant_state.quant_type,
-        "blocksize": quant_state.blocksize,
-        "compress_statistics": quant_state.nested,
-        "quant_storage": param.dtype,
-        "bnb_quantized": True,
-    }
-    for name, value in attrs.items():
-        setattr(param, name, value)
-    for name, get in _PROXIES.items():
-        value = get(quant_state)
-        if value is not None:
-            setattr(param, name, value)
-        else:
-            param.__dict__.pop(name, None)
 
 
 class Linear4bit(nn.Linear):
@@ -364,7 +333,7 @@ class Linear4bit(nn.Linear):
                 f"Linear4bit weight is a {type(weight).__name__} and the layer has no quant_state: "
                 "quantize the layer (or load a quantized checkpoint) before wrapping it"
             )
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             shard: Any = weight
             raise RuntimeError(
                 f"Linear4bit weight is a DTensor shard (placements {tuple(shard.placements)}, local shape "
@@ -378,9 +347,11 @@ class Linear4bit(nn.Linear):
                 f"MixedPrecisionPolicy(param_dtype={weight.dtype})), which rewrites them. Use param_dtype=None "
                 f"or {self.quant_storage}, or quant_storage=torch.uint8 (FSDP never casts integer parameters)"
             )
-        _check_packed(weight, quant_state, "weight")
+        check_packed(weight, quant_state, "weight")
         if weight.__dict__.get("quant_state") is not quant_state:
-            attach_quant_state(weight, quant_state)
+            from q4torch._src import fsdp  # a plain parameter: the all-gathered bytes FSDP2 installed
+
+            fsdp.attach_quant_state(weight, quant_state)
         return weight, cast(F.QuantState, quant_state)  # checked not None above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -402,7 +373,9 @@ class Linear4bit(nn.Linear):
         else:  # a parameter installed by FSDP2 (a DTensor shard): the layer holds the state
             quant_state = self.quant_state
             if quant_state is not None:
-                attach_quant_state(weight, quant_state)
+                from q4torch._src import fsdp
+
+                fsdp.attach_quant_state(weight, quant_state)
         if quant_state is not None:
             for key, value in quant_state.as_dict(packed=True).items():
                 destination[prefix + "weight." + key] = value if keep_vars else value.detach()
@@ -425,11 +398,13 @@ class Linear4bit(nn.Linear):
         device = self.weight.device
         stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
         try:
-            if _is_dtensor(self.weight):
-                self._load_sharded(weight_key, data, stats)
+            if is_dtensor(self.weight):
+                from q4torch._src import fsdp  # torch.distributed.tensor is loaded (the weight is a DTensor)
+
+                fsdp.load_sharded(self, weight_key, data, stats)
             elif any(k.startswith(JSON_KEY_PREFIX) for k in stats):
                 new = Params4bit.from_prequantized(data, stats, device=device, module=self)
-                self._check_state_shape(weight_key, new.quant_state)
+                self.check_state_shape(weight_key, new.quant_state)
                 self.weight = new
                 self.quant_state = new.quant_state
             elif quant_keys:
@@ -460,47 +435,12 @@ class Linear4bit(nn.Linear):
         except (ValueError, TypeError) as e:
             errs.append(f"while loading '{weight_key}': {e}")
 
-    def _check_state_shape(self, weight_key: str, quant_state: F.QuantState) -> None:
+    def check_state_shape(self, weight_key: str, quant_state: F.QuantState) -> None:
         if tuple(quant_state.shape) != (self.out_features, self.in_features):
             raise q4.QuantStateError(
                 f"'{weight_key}' quant_state shape {tuple(quant_state.shape)} does not match this "
                 f"layer's ({self.out_features}, {self.in_features})"
             )
-
-    def _load_sharded(self, weight_key: str, data: torch.Tensor, stats: dict[str, Any]) -> None:
-        """Load a quantized checkpoint into a weight that FSDP2 has sharded (a DTensor).
-
-        ``data`` must be a DTensor too (a state dict of a sharded model, as
-        DCP loads it, or a whole checkpoint distributed by
-        ``set_model_state_dict(..., options=StateDictOptions(full_state_dict=True))``),
-        in the weight's storage dtype. FSDP keeps the parameter object, so the
-        bytes are copied into its local shard in place (same dtype: bit for
-        bit). The QuantState is not sharded: every rank rebuilds it whole.
-        """
-        weight = self.weight
-        if not any(k.startswith(JSON_KEY_PREFIX) for k in stats):
-            raise ValueError(
-                f"'{weight_key}' is sharded (FSDP) and the checkpoint has no '{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' "
-                "entry: a sharded weight cannot be quantized, load float weights before fully_shard"
-            )
-        if not _is_dtensor(data):
-            raise TypeError(
-                f"'{weight_key}' is a plain {data.dtype} tensor but the layer's weight is sharded (a DTensor): load "
-                "a whole checkpoint with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, sd, "
-                "options=StateDictOptions(full_state_dict=True))"
-            )
-        if data.dtype != weight.dtype:
-            raise TypeError(
-                f"'{weight_key}' is a {data.dtype} DTensor, but the sharded weight stores its bytes as {weight.dtype}"
-            )
-        quant_state = F.QuantState.from_dict(stats, device=weight.device)
-        self._check_state_shape(weight_key, quant_state)
-        _check_packed(data, quant_state, weight_key)
-        with torch.no_grad():
-            weight.copy_(data)
-        self.quant_state = quant_state
-        self.quant_storage = weight.dtype
-        attach_quant_state(weight, quant_state)
 
 
 class _FixedQuantType(Linear4bit):

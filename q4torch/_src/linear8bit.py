@@ -41,6 +41,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from q4._src import weights
 from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4torch import functional as F
 
@@ -60,13 +61,8 @@ def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     CB, SCB, _ = F.int8_vectorwise_quant(w.contiguous().to(torch.float16))
     if torch.compiler.is_compiling():  # the check below needs a host sync
         return CB, SCB
-    bad = ~torch.isfinite(SCB)
-    if bad.any():
-        rows = torch.nonzero(bad).reshape(-1)[:8].tolist()
-        raise ValueError(
-            f"cannot quantize: weight rows {rows} are not finite after rounding to float16 "
-            f"(max |w| = {w.abs().max().item():g}; float16 holds at most 65504)"
-        )
+    if not bool(torch.isfinite(SCB).all()):
+        weights.check_int8_scales(SCB.detach().cpu().numpy())
     return CB, SCB
 
 

@@ -106,3 +106,46 @@ def test_code_tables_reject_wrong_sizes():
     assert _lib().q4_code_table(0, buf, 256) == 1
     assert _lib().q4_code_table(3, buf, 16) == 1
     assert "table must be" in _lib().q4_last_error().decode()
+
+
+# The op list (kernels/bind/c_api_ops.inc) as the library reports it: every
+# op has its C entry point and its XLA FFI handler, and the declared argtypes
+# are those of the C parameters (an independent reading of the header).
+def _header_ops() -> dict[str, list[str]]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "kernels/bind/c_api_ops.inc").read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    ops = {}
+    for name, params in re.findall(r"Q4_OP\(\s*(\w+),\s*\(([^()]*)\)", text):
+        ops[name] = [" ".join(p.split()[:-1]) for p in params.split(",")]
+    return ops
+
+
+def test_op_list_matches_the_def_file_and_every_symbol_exists():
+    header = _header_ops()
+    assert tuple(header) == native.op_names()
+    to_ctypes = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+    lib = _lib()
+    for op, types in header.items():
+        fn = getattr(lib, "q4_" + op)
+        assert fn.restype is ctypes.c_int32
+        assert fn.argtypes == [ctypes.c_void_p if t.endswith("*") else to_ctypes[t] for t in types], op
+        getattr(lib, "q4_ffi_" + op)
+        if native.has_cuda():
+            assert getattr(lib, "q4_cuda_" + op).argtypes == [*fn.argtypes, ctypes.c_void_p]
+            getattr(lib, "q4_ffi_cuda_" + op)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("gemm(int32_t a", "malformed op entry"),
+        ("1bad(int32_t a)", "malformed op entry"),
+        ("gemm(double a)", "parameter type 'double'"),
+    ],
+)
+def test_malformed_op_list_is_refused(text, message):
+    with pytest.raises(native.NativeLibraryError, match=message):
+        native.parse_ops(text)

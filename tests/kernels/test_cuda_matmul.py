@@ -39,18 +39,8 @@ torch = pytest.importorskip("torch")
 if not q4.has_cuda():
     pytest.skip(f"{q4.library_path()} was built without the CUDA kernels", allow_module_level=True)
 
-# q4's loader declares CUDA signatures only for native.CUDA_OPS: declare the
-# matmul entry points here, as the CPU signature plus the trailing stream.
-OPS = ("gemm_4bit", "gemm_4bit_grad_input", "int8_quantize_rows", "int8_linear", "int8_grad_input")
-LIB = ctypes.CDLL(str(q4.library_path()))
-for _op in OPS:
-    _restype, _argtypes = native._SIGNATURES["q4_" + _op]
-    for _name, _args in (("q4_" + _op, _argtypes), ("q4_cuda_" + _op, [*_argtypes, ctypes.c_void_p])):
-        getattr(LIB, _name).restype = _restype
-        getattr(LIB, _name).argtypes = _args
-for _name in ("q4_last_error", "q4_cuda_last_error"):
-    getattr(LIB, _name).restype = ctypes.c_char_p
-    getattr(LIB, _name).argtypes = []
+# q4's loader declares every op of the library's op list, CPU and CUDA
+LIB = native.lib()
 
 requires_gpu = pytest.mark.skipif(q4.cuda_device_count() == 0, reason="no CUDA device")
 

@@ -33,18 +33,10 @@ TINY = 2.0**-149
 NP_DTYPE = {"float32": np.float32, "bfloat16": BF16, "float16": np.float16}
 KERNEL_FWD, KERNEL_GRAD = "avx512.gemm4", "avx512.grad4"
 
-pytestmark = pytest.mark.skipif(not q4.cpu_has_avx512(), reason="not run: the processor lacks avx512 (AVX-512 F/BW/VL)")
-
-
-@pytest.fixture(autouse=True)
-def avx512_level():
-    """Run every test on the avx512 level (fp32 compute; the bf16 kernels above
-    it are not in the chain), all threads."""
-    before = q4.cpu_isa()
-    q4.set_cpu_isa("avx512")
-    yield
-    q4.set_cpu_isa(before)
-    q4.set_num_threads(0)
+# every test on the avx512 level (whatever Q4_ISA says), all threads; not run,
+# named, on a processor without it
+ISA = "avx512"
+pytestmark = pytest.mark.usefixtures("module_isa")
 
 
 def last_kernels() -> dict:

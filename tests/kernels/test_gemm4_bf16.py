@@ -36,19 +36,10 @@ TINY = 2.0**-126
 NP_DTYPE = {"float32": np.float32, "bfloat16": BF16, "float16": np.float16}
 KERNEL_FWD, KERNEL_GRAD = "avx512_bf16.gemm4", "avx512_bf16.grad4"
 
-pytestmark = pytest.mark.skipif(
-    not q4.cpu_has_avx512_bf16(), reason="not run: the processor lacks avx512_bf16 (AVX512_BF16 + AVX512_VNNI)"
-)
-
-
-@pytest.fixture(autouse=True)
-def bf16_level():
-    """Run every test on the avx512_bf16 level (whatever Q4_ISA says), all threads."""
-    before = q4.cpu_isa()
-    q4.set_cpu_isa("avx512_bf16")
-    yield
-    q4.set_cpu_isa(before)
-    q4.set_num_threads(0)
+# every test on the avx512_bf16 level (whatever Q4_ISA says), all threads; not run,
+# named, on a processor without it
+ISA = "avx512_bf16"
+pytestmark = pytest.mark.usefixtures("module_isa")
 
 
 def last_kernels() -> dict:

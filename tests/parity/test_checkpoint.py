@@ -111,7 +111,7 @@ def test_truncated_and_corrupted_files(rng, tmp_path):
     "edit, message",
     [
         (lambda s: s.update({"a.weight.absmax": s["a.weight.absmax"][:-1]}), r"layer 'a': absmax must be uint8\[32\]"),
-        (lambda s: s.update({"a.weight": s["a.weight"][:-2]}), "'a.weight' holds 1022 bytes"),
+        (lambda s: s.update({"a.weight": s["a.weight"][:-2]}), "'a.weight' has 1022 bytes"),
         (lambda s: s.pop("a.weight.quant_map"), "missing checkpoint entry 'quant_map'"),
         (
             lambda s: s.update(

@@ -214,7 +214,7 @@ def test_bad_input(rng):
         Linear4bit(128, 48).load_state_dict(bad)
     bad = dict(sd)
     bad["weight"] = sd["weight"][:-1]
-    with pytest.raises(RuntimeError, match="'weight' holds 3071 bytes"):
+    with pytest.raises(RuntimeError, match="'weight' has 3071 bytes"):
         Linear4bit(128, 48).load_state_dict(bad)
     with pytest.raises(RuntimeError, match=r"quant_state shape \(48, 128\) does not match this layer's \(48, 64\)"):
         Linear4bit(64, 48).load_state_dict(sd)

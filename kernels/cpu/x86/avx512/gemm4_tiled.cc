@@ -332,35 +332,46 @@ void rowdot(const Gemm4bitParams& p, const float* x, const Scales& /*scales*/) {
 
 // ----------------------------------------------------- forward, tiled
 
+// The register tile of both tiled kernels: acc[i][j] = sum over t < len of
+// the broadcast scalar s[i * s_i + t * s_t] times the 16 floats at
+// v + j * v_j + t * v_t (one FMA chain per accumulator, t in order), stored at
+// c + i * c_i + j * c_j, or added to what is there when `load`.
+template <int I, int J>
+__attribute__((always_inline)) inline void outer_micro(const float* s, int64_t s_i, int64_t s_t, const float* v,
+                                                       int64_t v_j, int64_t v_t, int64_t len, float* c, int64_t c_i,
+                                                       int64_t c_j, bool load) {
+  __m512 acc[I][J];
+#pragma GCC unroll 32
+  for (int i = 0; i < I; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m512 vv[J];
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) vv[j] = _mm512_load_ps(v + j * v_j + t * v_t);
+#pragma GCC unroll 32
+    for (int i = 0; i < I; ++i) {
+      const __m512 sv = _mm512_set1_ps(s[i * s_i + t * s_t]);
+#pragma GCC unroll 16
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_fmadd_ps(sv, vv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int i = 0; i < I; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < J; ++j) {
+      float* cv = c + i * c_i + j * c_j;
+      _mm512_store_ps(cv, load ? _mm512_add_ps(_mm512_load_ps(cv), acc[i][j]) : acc[i][j]);
+    }
+}
+
 // c[r][q] (+)= sum_t w[r][t] * xp_q[t][0..16) for t < len, for R decoded W
 // rows (w: [R][kKc]) and Q panels (xp + q * ldp: [len][16]); c[r][q] at c + q *
 // c_vec + r * 16. The chunk's sum starts from zero and is added to c when
 // `load` (a blocked sum: the error grows with kKc + k / kKc, not with k).
 template <int R, int Q>
 void fwd_micro(const float* w, const float* xp, int64_t ldp, int64_t len, float* c, int64_t c_vec, bool load) {
-  __m512 acc[R][Q];
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int q = 0; q < Q; ++q) acc[r][q] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    __m512 xv[Q];
-#pragma GCC unroll 8
-    for (int q = 0; q < Q; ++q) xv[q] = _mm512_load_ps(xp + q * ldp + t * 16);
-#pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) {
-      const __m512 wv = _mm512_set1_ps(w[r * kKc + t]);
-#pragma GCC unroll 8
-      for (int q = 0; q < Q; ++q) acc[r][q] = _mm512_fmadd_ps(wv, xv[q], acc[r][q]);
-    }
-  }
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int q = 0; q < Q; ++q) {
-      float* cv = c + q * c_vec + r * 16;
-      _mm512_store_ps(cv, load ? _mm512_add_ps(_mm512_load_ps(cv), acc[r][q]) : acc[r][q]);
-    }
+  outer_micro<R, Q>(w, kKc, 1, xp, ldp, 16, len, c, 16, c_vec, load);
 }
 
 template <int R, int Q>
@@ -673,30 +684,7 @@ void grad_fused(const Gemm4bitGradInputParams& p, const float* dy, const Scales&
 // sum added to it when `load`, as in fwd_micro).
 template <int RA, int NZ>
 void grad_micro(const float* dy, int64_t ld, const float* ws, int64_t len, float* c, bool load) {
-  constexpr int S = NZ * 16;
-  __m512 acc[RA][NZ];
-#pragma GCC unroll 32
-  for (int j = 0; j < RA; ++j)
-#pragma GCC unroll 16
-    for (int z = 0; z < NZ; ++z) acc[j][z] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
-    __m512 wv[NZ];
-#pragma GCC unroll 16
-    for (int z = 0; z < NZ; ++z) wv[z] = _mm512_load_ps(ws + t * S + z * 16);
-#pragma GCC unroll 32
-    for (int j = 0; j < RA; ++j) {
-      const __m512 g = _mm512_set1_ps(dy[t * ld + j]);
-#pragma GCC unroll 16
-      for (int z = 0; z < NZ; ++z) acc[j][z] = _mm512_fmadd_ps(g, wv[z], acc[j][z]);
-    }
-  }
-#pragma GCC unroll 32
-  for (int j = 0; j < RA; ++j)
-#pragma GCC unroll 16
-    for (int z = 0; z < NZ; ++z) {
-      float* cv = c + j * S + z * 16;
-      _mm512_store_ps(cv, load ? _mm512_add_ps(_mm512_load_ps(cv), acc[j][z]) : acc[j][z]);
-    }
+  outer_micro<RA, NZ>(dy, 1, ld, ws, 16, NZ * 16, len, c, NZ * 16, 16, load);
 }
 
 template <int RA, int NZ>

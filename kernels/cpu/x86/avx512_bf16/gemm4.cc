@@ -475,35 +475,24 @@ void micro_fwd(const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, i
     for (int q = 0; q < Q; ++q) _mm512_store_ps(acc + (q * lda + r) * 16, a[r][q]);
 }
 
-template <int Q, bool TWO, bool DEC>
-void micro_fwd_r(int R, const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, int64_t steps, float* acc,
+// micro_fwd with R = rows (1..RMAX) chosen at run time
+template <int RMAX, int Q, bool TWO, bool DEC>
+void micro_fwd_r(int rows, const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, int64_t steps, float* acc,
                  int64_t lda, TileDecoder<TWO>* dec, int64_t every) {
-  switch (R) {
-    case 8:
-      return micro_fwd<8, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    case 7:
-      return micro_fwd<7, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    case 6:
-      return micro_fwd<6, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    case 5:
-      return micro_fwd<5, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    case 4:
-      return micro_fwd<4, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    case 3:
-      return micro_fwd<3, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    case 2:
-      return micro_fwd<2, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
-    default:
-      return micro_fwd<1, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+  if constexpr (RMAX > 1) {
+    if (rows == RMAX) return micro_fwd<RMAX, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
+    return micro_fwd_r<RMAX - 1, Q, TWO, DEC>(rows, w, ldw, x, ldx, steps, acc, lda, dec, every);
+  } else {
+    return micro_fwd<1, Q, TWO, DEC>(w, ldw, x, ldx, steps, acc, lda, dec, every);
   }
 }
 
 template <bool TWO, bool DEC>
 void micro_fwd_any(int R, int Q, const uint32_t* w, int64_t ldw, const uint32_t* x, int64_t ldx, int64_t steps,
                    float* acc, int64_t lda, TileDecoder<TWO>* dec, int64_t every) {
-  if (Q == 3) return micro_fwd_r<3, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
-  if (Q == 2) return micro_fwd_r<2, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
-  micro_fwd_r<1, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
+  if (Q == 3) return micro_fwd_r<kMicroR, 3, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
+  if (Q == 2) return micro_fwd_r<kMicroR, 2, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
+  micro_fwd_r<kMicroR, 1, TWO, DEC>(R, w, ldw, x, ldx, steps, acc, lda, dec, every);
 }
 
 // x [m, k] bf16 -> panels xp[panel][k/2][16] (dword t of row l of a panel at
