@@ -500,7 +500,7 @@ def _prepared_args(qs: QuantState, B: torch.Tensor):
     n, k = (int(s) for s in qs.shape)
     packed = (B if B.dtype == torch.uint8 else B.view(torch.uint8)).reshape(-1)
     nested = qs.nested
-    scales = ops._weight_args(
+    scales = ops.weight_args(
         packed,
         qs.absmax,
         qs.state2.absmax if nested else None,

@@ -253,7 +253,7 @@ def _bias_arg(bias: torch.Tensor | None, n: int):
     return bias, bias.data_ptr(), dtype_code(bias.dtype, "bias")
 
 
-def _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type):
+def weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type):
     """Validated C ABI weight arguments (scales tuple) for a 4-bit W [n, k]."""
     formats.check_blocksize(blocksize)
     formats.check_quant_type(quant_type)
@@ -285,7 +285,7 @@ def _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, 
 
 def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias) -> torch.Tensor:
     """q4::gemm_4bit's work for a packed weight whose C ABI arguments (packed_ptr,
-    scales from _weight_args) are already validated: the input checks, the
+    scales from weight_args) are already validated: the input checks, the
     result and the kernel call (CPU, or CUDA on x's stream)."""
     xcode = dtype_code(x.dtype, "gemm_4bit input")
     if x.dim() < 1 or x.shape[-1] != k:
@@ -332,7 +332,7 @@ def gemm_4bit(
     """y[..., n] = x[..., k] . dequantize(W)^T (+ bias), fp32 accumulation, W never materialised."""
     packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    scales = _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
     return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias)
 
 
@@ -361,7 +361,7 @@ def gemm_4bit_grad_input(
         raise ValueError(f"grad_out has {grad_out.shape[-1]} features, the weight has {n} outputs")
     packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    scales = _weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
     g = grad_out.contiguous()
     out = torch.empty(grad_out.shape[:-1] + (k,), dtype=grad_out.dtype, device=grad_out.device)
     K.gemm_4bit_grad_input_ptr(
