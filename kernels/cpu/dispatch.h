@@ -44,16 +44,49 @@ struct Chain {
   void add(const char* name, Fn fn) { entries[size++] = {name, fn}; }
 };
 
+// LLM.int8 dot products (the integer part of int8_linear, contract in
+// cpu/int8.cc): acc[i * acc_stride + j] = sum_{kk < k} xq[i * xs + kk] *
+// w[j][kk], exact in int32 (k <= int8::kMaxK), for i < mr <= 4 quantized x
+// rows and j < nr <= 4 weight rows. x_sums[i] = sum_kk xq[i * xs + kk].
+// An entry returns false for calls it does not serve; int8.cc's AVX2 and
+// scalar loops (not chain entries) run then.
+struct Int8Dots {
+  const int8_t* xq;
+  int64_t xs;
+  const int32_t* x_sums;
+  const int8_t* const* w;
+  int mr, nr;
+  int64_t k;
+  int32_t* acc;
+  int64_t acc_stride;
+};
+using Int8DotsFn = bool (*)(const Int8Dots& d);
+// The same integer sums for a whole block: acc[i * lda + j] for i < m, j < n
+// (rows of xq at stride xs, zero beyond k up to a multiple of 4; w [n, k]).
+// For many x rows (the caller decides); runs its own parallel_for.
+struct Int8Gemm {
+  const int8_t* xq;
+  int64_t xs;
+  const int32_t* x_sums;
+  const int8_t* w;
+  int64_t m, n, k;
+  int32_t* acc;
+  int64_t lda;
+};
+using Int8GemmFn = bool (*)(const Int8Gemm& g);
+
 struct KernelTable {
   Chain<Gemm4Fn> gemm4;
   Chain<Grad4Fn> grad4;
+  Chain<Int8DotsFn> int8_dots;
+  Chain<Int8GemmFn> int8_gemm;
 };
 
 // The table of the active level.
 const KernelTable& kernel_table();
 
 // Ops whose last-run kernel is recorded (for tests and benchmarks).
-enum class Op : int { kGemm4 = 0, kGrad4 = 1, kCount = 2 };
+enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kCount = 3 };
 void record_kernel(Op op, const char* name);
 const char* last_kernel(Op op);
 
@@ -78,6 +111,9 @@ namespace avx512_bf16 {
 // fp32 accumulation; returns false for other input dtypes
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+// LLM.int8 dot products with vpdpbusd (AVX512_VNNI)
+bool int8_dots(const Int8Dots& d);
+bool int8_gemm(const Int8Gemm& g);
 }  // namespace avx512_bf16
 
 }  // namespace cpu

@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "dispatch.h"
 #include "parallel.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
@@ -116,14 +117,14 @@ Q4_AVX2 float row_stat_avx2(const T* x, int64_t n, float cut) {
   __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 a = _mm256_and_ps(avx2::Vec<T>::load(x + i), abs_mask);
+    __m256 a = _mm256_and_ps(::q4::avx2::Vec<T>::load(x + i), abs_mask);
     if (use_thr) a = _mm256_and_ps(a, _mm256_cmp_ps(a, thr, _CMP_NGE_UQ));  // outliers count as 0
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
     m = _mm256_max_ps(m, a);
   }
   const float tail = row_stat_scalar(x + i, n - i, cut);
   if (_mm256_movemask_ps(nan) || tail != tail) return __builtin_nanf("");
-  const float v = avx2::hmax(m);
+  const float v = ::q4::avx2::hmax(m);
   return tail > v ? tail : v;
 }
 
@@ -140,7 +141,7 @@ Q4_AVX2 void outlier_cols_avx2(const T* x, int64_t rows, int64_t cols, float cut
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     for (int64_t c = c0; c < v1; c += 8) {
-      const __m256 a = _mm256_and_ps(avx2::Vec<T>::load(xr + c), abs_mask);
+      const __m256 a = _mm256_and_ps(::q4::avx2::Vec<T>::load(xr + c), abs_mask);
       bits[size_t((c - c0) / 8)] |= uint8_t(_mm256_movemask_ps(_mm256_cmp_ps(a, thr, _CMP_GE_OQ)));
     }
     for (int64_t c = v1; c < c1; ++c) flags[c] |= uint8_t(is_outlier(std::fabs(Elem<T>::load(xr, c)), cut));
@@ -164,10 +165,10 @@ Q4_AVX2 void quantize_row_avx2(const T* x, int64_t n, float mult, const uint8_t*
   const __m256i fix_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m256i a = quantize8(avx2::Vec<T>::load(x + i), mv);
-    const __m256i b = quantize8(avx2::Vec<T>::load(x + i + 8), mv);
-    const __m256i c = quantize8(avx2::Vec<T>::load(x + i + 16), mv);
-    const __m256i d = quantize8(avx2::Vec<T>::load(x + i + 24), mv);
+    const __m256i a = quantize8(::q4::avx2::Vec<T>::load(x + i), mv);
+    const __m256i b = quantize8(::q4::avx2::Vec<T>::load(x + i + 8), mv);
+    const __m256i c = quantize8(::q4::avx2::Vec<T>::load(x + i + 16), mv);
+    const __m256i d = quantize8(::q4::avx2::Vec<T>::load(x + i + 24), mv);
     __m256i bytes =
         _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d)), fix_lanes);
     if (keep != nullptr)
@@ -233,14 +234,21 @@ bool quantize_rows_impl(const T* x, int64_t rows, int64_t cols, float threshold,
 // kXPanelBytes of quantized X (the pass stays in L2 while W streams by);
 // output columns in sub-blocks of kLinSubCols (the outlier part of a
 // sub-block is computed first, into a buffer the epilogue reads).
-constexpr int kLinMR = 4, kLinNR = 2;
+constexpr int kLinMR = 4, kLinNR = 4;  // the AVX2 and scalar loops take the W rows in pairs
 constexpr int64_t kXPanelBytes = 256 << 10;
 constexpr int64_t kLinSubCols = 256;
+// The int8_gemm chain (x rows as a block, cpu/dispatch.h) from this many x
+// rows, in blocks of kInt8GemmRows rows (their int32 sums kept between the
+// two steps).
+constexpr int64_t kInt8GemmMinM = 64;  // measured: below it the int8_dots tiles are faster
+constexpr int64_t kInt8GemmRows = 256;
 static_assert(kLinSubCols % kLinNR == 0, "sub-blocks hold whole register tiles");
 
 struct LinearShared {
   const int8_t* xq;  // [m, kp], zero-padded to kp = ceil(k/32)*32
   int64_t kp;
+  const int32_t* x_sums;   // [m] sum of each xq row (for the dot-product chain), or null
+  const Int8DotsFn dots;   // the chain's kernel (cpu/dispatch.h), or null
   const float* row_stats;  // [m]
   const int64_t* cols;     // [nc] outlier columns, ascending
   int64_t nc;
@@ -296,14 +304,14 @@ void outlier_part(const Int8LinearParams& p, const LinearShared& s, bool simd, i
 // o: the sub-block's outlier part at (m0, n0) with row stride os, or null.
 template <typename TO>
 void linear_epilogue(const Int8LinearParams& p, const LinearShared& s, int64_t m0, int mr, int64_t n0, int nr,
-                     const int32_t (*acc)[kLinNR], const float* o, int64_t os) {
+                     const int32_t* acc, int64_t as, const float* o, int64_t os) {
   TO* out = static_cast<TO*>(p.out);
   for (int i = 0; i < mr; ++i) {
     const int64_t m = m0 + i;
     for (int j = 0; j < nr; ++j) {
       const int64_t n = n0 + j;
       const float scale = s.row_stats[m] * p.weight_scale[n];
-      float y = float(acc[i][j]) * scale;
+      float y = float(acc[i * as + j]) * scale;
       y = y * kInv127Sq;
       if (o != nullptr) y = y + o[i * os + j];
       if (s.bias != nullptr) y = y + s.bias[n];
@@ -313,13 +321,13 @@ void linear_epilogue(const Int8LinearParams& p, const LinearShared& s, int64_t m
 }
 
 template <int MR, int NR>
-void dot_tile_scalar(const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k, int32_t (*acc)[kLinNR]) {
+void dot_tile_scalar(const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k, int32_t* acc) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       const int8_t* xr = xq + i * xs;
       int32_t a = 0;
       for (int64_t kk = 0; kk < k; ++kk) a += int32_t(xr[kk]) * int32_t(w[j][kk]);
-      acc[i][j] = a;
+      acc[i * kLinNR + j] = a;
     }
 }
 
@@ -359,7 +367,7 @@ Q4_AVX2 void dot_step_avx2(const int8_t* x, int64_t xs, const int8_t* const* w, 
 // 32-column block of W comes from wtail [NR][32] (zero-padded copies).
 template <int MR, int NR>
 Q4_AVX2 void dot_tile_avx2(const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k, const int8_t (*wtail)[32],
-                           int32_t (*acc)[kLinNR]) {
+                           int32_t* acc) {
   __m256i a[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -380,13 +388,13 @@ Q4_AVX2 void dot_tile_avx2(const int8_t* xq, int64_t xs, const int8_t* const* w,
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) acc[i][j] = hsum_epi32(a[i][j]);
+    for (int j = 0; j < NR; ++j) acc[i * kLinNR + j] = hsum_epi32(a[i][j]);
 }
 #endif
 
 template <int NR>
 void dot_tile(bool simd, int mr, const int8_t* xq, int64_t xs, const int8_t* const* w, int64_t k,
-              const int8_t (*wtail)[32], int32_t (*acc)[kLinNR]) {
+              const int8_t (*wtail)[32], int32_t* acc) {
 #if Q4_HAVE_AVX2_CODE
   if (simd) {
 #define Q4_DOT(R) dot_tile_avx2<R, NR>(xq, xs, w, k, wtail, acc)
@@ -399,6 +407,20 @@ void dot_tile(bool simd, int mr, const int8_t* xq, int64_t xs, const int8_t* con
 #define Q4_DOT(R) dot_tile_scalar<R, NR>(xq, xs, w, k, acc)
   Q4_ROWS_SWITCH_4(mr, Q4_DOT)
 #undef Q4_DOT
+}
+
+// acc[i * kLinNR + j] for i < mr x rows at xq (stride xs) and j < nr W rows
+// w[j]: the chain's kernel if there is one, else the AVX2 / scalar tiles on
+// the W rows in pairs.
+void dot_block(const LinearShared& s, bool simd, int mr, const int8_t* xq, const int32_t* x_sums,
+               const int8_t* const* w, int nr, int64_t k, const int8_t (*wtail)[32], int32_t* acc) {
+  if (s.dots != nullptr && s.dots(Int8Dots{xq, s.kp, x_sums, w, mr, nr, k, acc, kLinNR})) return;
+  for (int j = 0; j < nr; j += 2) {
+    if (nr - j >= 2)
+      dot_tile<2>(simd, mr, xq, s.kp, w + j, k, wtail + j, acc + j);
+    else
+      dot_tile<1>(simd, mr, xq, s.kp, w + j, k, wtail + j, acc + j);
+  }
 }
 
 // Output columns of W row blocks [b0, b1) (block = kLinNR rows) for X rows [m0, m1).
@@ -419,16 +441,30 @@ void linear_range(const Int8LinearParams& p, const LinearShared& s, bool simd, i
       for (int j = 0; j < nr; ++j) std::memcpy(wtail[j], w[j] + k / 32 * 32, size_t(k % 32));
       for (int64_t m = m0; m < m1; m += kLinMR) {
         const int mr = int(std::min<int64_t>(kLinMR, m1 - m));
-        int32_t acc[kLinMR][kLinNR];
-        if (nr == kLinNR)
-          dot_tile<kLinNR>(simd, mr, s.xq + m * s.kp, s.kp, w, k, wtail, acc);
-        else
-          dot_tile<1>(simd, mr, s.xq + m * s.kp, s.kp, w, k, wtail, acc);
+        int32_t acc[kLinMR * kLinNR];
+        dot_block(s, simd, mr, s.xq + m * s.kp, s.x_sums != nullptr ? s.x_sums + m : nullptr, w, nr, k, wtail, acc);
         const float* ot = s.nc > 0 ? o.data() + (m - m0) * (ne - ns) + (n0 - ns) : nullptr;
-        linear_epilogue<TO>(p, s, m, mr, n0, nr, acc, ot, ne - ns);
+        linear_epilogue<TO>(p, s, m, mr, n0, nr, acc, kLinNR, ot, ne - ns);
       }
     }
   }
+}
+
+// The output of rows [m0, m1) from their integer sums acc [m1 - m0][n] (the
+// int8_gemm path): the outlier part and the epilogue per sub-block of columns.
+template <typename TO>
+void linear_from_sums(const Int8LinearParams& p, const LinearShared& s, bool simd, int64_t m0, int64_t m1,
+                      const int32_t* acc) {
+  const int64_t subs = ceil_div(p.n, kLinSubCols);
+  parallel_for(subs, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> wd_t, o;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t ns = u * kLinSubCols, ne = std::min(p.n, ns + kLinSubCols);
+      if (s.nc > 0) outlier_part(p, s, simd, m0, m1, ns, ne, &wd_t, &o);
+      linear_epilogue<TO>(p, s, m0, int(m1 - m0), ns, int(ne - ns), acc + ns, p.n, s.nc > 0 ? o.data() : nullptr,
+                          ne - ns);
+    }
+  });
 }
 
 // ------------------------------------------------------------ grad input
@@ -660,8 +696,30 @@ Status int8_linear(const Int8LinearParams& p) {
       for (int64_t j = 0; j < n; ++j) bias[size_t(j)] = Elem<T>::load(static_cast<const T*>(p.bias), j);
     });
   }
+  // the dot-product chains (cpu/dispatch.h) and the x row sums their kernels need
+  const Chain<Int8DotsFn>& chain = kernel_table().int8_dots;
+  const Int8DotsFn dots = chain.size > 0 ? chain.entries[0].fn : nullptr;
+  const Chain<Int8GemmFn>& gemm_chain = kernel_table().int8_gemm;
+  const Int8GemmFn gemm = m >= kInt8GemmMinM && gemm_chain.size > 0 ? gemm_chain.entries[0].fn : nullptr;
+  std::vector<int32_t> x_sums;
+  if (dots != nullptr || gemm != nullptr) {
+    x_sums.resize(size_t(m));
+    parallel_for(m, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int32_t t = 0;
+        for (int64_t c = 0; c < k; ++c) t += xq[size_t(r * kp + c)];
+        x_sums[size_t(r)] = t;
+      }
+    });
+  }
+  record_kernel(Op::kInt8Linear, gemm != nullptr   ? gemm_chain.entries[0].name
+                                 : dots != nullptr ? chain.entries[0].name
+                                 : simd            ? "avx2.int8_dots"
+                                                   : "scalar.int8_dots");
   const LinearShared shared{xq.data(),
                             kp,
+                            x_sums.empty() ? nullptr : x_sums.data(),
+                            dots,
                             row_stats.data(),
                             cols.data(),
                             int64_t(cols.size()),
@@ -670,6 +728,16 @@ Status int8_linear(const Int8LinearParams& p) {
   hint_fresh_output(p.out, m * n * (p.out_dtype == kF32 ? 4 : 2));
   const int64_t m_chunk = std::max<int64_t>(kLinMR, kXPanelBytes / kp / kLinMR * kLinMR);
   const int64_t n_blocks = ceil_div(n, kLinNR);
+  if (gemm != nullptr) {
+    std::vector<int32_t> acc(size_t(std::min(m, kInt8GemmRows) * n));
+    for (int64_t m0 = 0; m0 < m; m0 += kInt8GemmRows) {
+      const int64_t m1 = std::min(m, m0 + kInt8GemmRows);
+      if (!gemm(Int8Gemm{xq.data() + m0 * kp, kp, x_sums.data() + m0, p.weight, m1 - m0, n, k, acc.data(), n}))
+        return Status::Invalid("int8_gemm refused a call it was chosen for");
+      Q4_DTYPE_SWITCH(p.out_dtype, TO, [&] { linear_from_sums<TO>(p, shared, simd, m0, m1, acc.data()); });
+    }
+    return Status::Ok();
+  }
   Q4_DTYPE_SWITCH(p.out_dtype, TO, [&] {
     for (int64_t m0 = 0; m0 < m; m0 += m_chunk) {
       const int64_t m1 = std::min(m, m0 + m_chunk);

@@ -82,6 +82,8 @@ cpu::KernelTable build_table(Isa isa) {
   if (isa >= kIsaAvx512Bf16) {
     t.gemm4.add("avx512_bf16.gemm4", cpu::avx512_bf16::gemm4);
     t.grad4.add("avx512_bf16.grad4", cpu::avx512_bf16::grad4);
+    t.int8_dots.add("avx512_bf16.int8_dots", cpu::avx512_bf16::int8_dots);
+    t.int8_gemm.add("avx512_bf16.int8_gemm", cpu::avx512_bf16::int8_gemm);
   }
   if (isa >= kIsaAvx512) {
     t.gemm4.add("avx512.gemm4", cpu::avx512::gemm4);
@@ -172,8 +174,16 @@ std::string cpu_features_json() {
   s += ", ";
   for (int i = 0; i < t.grad4.size; ++i) names[i] = t.grad4.entries[i].name;
   json_chain(s, "gemm_4bit_grad_input", names, t.grad4.size);
+  s += ", ";
+  int count = 0;  // int8_linear: the chain's entries, then int8.cc's own loops
+  for (int i = 0; i < t.int8_gemm.size; ++i) names[count++] = t.int8_gemm.entries[i].name;
+  for (int i = 0; i < t.int8_dots.size; ++i) names[count++] = t.int8_dots.entries[i].name;
+  if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_dots";
+  names[count++] = "scalar.int8_dots";
+  json_chain(s, "int8_linear", names, count);
   s += "}, \"last_kernel\": {\"gemm_4bit\": \"" + std::string(cpu::last_kernel(cpu::Op::kGemm4)) +
-       "\", \"gemm_4bit_grad_input\": \"" + std::string(cpu::last_kernel(cpu::Op::kGrad4)) + "\"}}";
+       "\", \"gemm_4bit_grad_input\": \"" + std::string(cpu::last_kernel(cpu::Op::kGrad4)) + "\", \"int8_linear\": \"" +
+       std::string(cpu::last_kernel(cpu::Op::kInt8Linear)) + "\"}}";
   return s;
 }
 

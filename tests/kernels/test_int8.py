@@ -142,7 +142,7 @@ LINEAR_KN = [(37, 13), (300, 77), (1001, 9)]
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
 @pytest.mark.parametrize("k,n", LINEAR_KN, ids=[f"k{k}-n{n}" for k, n in LINEAR_KN])
 @pytest.mark.parametrize("m", [1, 2, 7, 64, 300])
-def test_linear_matches_oracle(isa, rng, m, k, n, threshold):
+def test_linear_matches_oracle(isa_all, rng, m, k, n, threshold):
     x = _activations(rng, (m, k), "float32", outlier_cols=(3, k - 1))
     w, scb = _weight(rng, n, k)
     bias = rng.standard_normal(n).astype(F32)
@@ -154,7 +154,7 @@ def test_linear_matches_oracle(isa, rng, m, k, n, threshold):
     assert np.all(np.abs(y - exact) <= oracle.linear_error_bound(terms, n_cols))
 
 
-def test_linear_integer_part_exact(isa, rng):
+def test_linear_integer_part_exact(isa_all, rng):
     """One nonzero weight per row: acc = q[m, perm[n]] * CB[n, perm[n]], small
     enough (|acc| <= 127^2) that the fp32 scaling cannot hide an error of 1."""
     m, k, n = 7, 45, 41
@@ -180,7 +180,7 @@ def test_linear_integer_part_exact(isa, rng):
 
 
 @pytest.mark.parametrize("m", [1, 5])
-def test_linear_outlier_column_exact(isa, rng, m):
+def test_linear_outlier_column_exact(isa_all, rng, m):
     """A column of large inputs goes through fp32 unquantized: with weights
     zero outside that column the output is exactly x[:, c] * wd[n, c]."""
     k, n, c = 70, 33, 17
@@ -271,19 +271,58 @@ def _all_ops(rng):
     return out
 
 
-def test_scalar_and_avx2_agree():
-    if not q4.cpu_has_avx2():
-        pytest.skip("processor lacks AVX2")
+# the int8_linear dot-product kernel each level runs (cpu_features()["kernels"])
+INT8_KERNEL = {
+    "scalar": "scalar.int8_dots",
+    "avx2": "avx2.int8_dots",
+    "avx512": "avx2.int8_dots",
+    "avx512_bf16": "avx512_bf16.int8_dots",
+}
+
+
+def test_every_level_agrees_bit_for_bit():
+    """Every CPU level the processor has gives the scalar path's bytes (the
+    integer sums are exact, the fp32 epilogue the same), and runs its own kernel."""
+    levels = [
+        name
+        for name, ok in (
+            ("avx2", q4.cpu_has_avx2()),
+            ("avx512", q4.cpu_has_avx512()),
+            ("avx512_bf16", q4.cpu_has_avx512_bf16()),
+        )
+        if ok
+    ]
+    assert levels, "the processor has no SIMD level to compare with the scalar path"
     before = q4.cpu_isa()
     try:
         results = {}
-        for isa in ("scalar", "avx2"):
+        for isa in ("scalar", *levels):
             q4.set_cpu_isa(isa)
             results[isa] = _all_ops(np.random.default_rng(7))
+            assert q4.cpu_features()["last_kernel"]["int8_linear"] == INT8_KERNEL[isa]
     finally:
         q4.set_cpu_isa(before)
-    for a, b in zip(results["scalar"], results["avx2"], strict=True):
-        assert a.dtype == b.dtype and np.array_equal(inputs.bits(a), inputs.bits(b))
+    for isa in levels:
+        for a, b in zip(results["scalar"], results[isa], strict=True):
+            assert a.dtype == b.dtype and np.array_equal(inputs.bits(a), inputs.bits(b)), isa
+
+
+@pytest.mark.parametrize("m", [2, 64])
+@pytest.mark.parametrize("wval", [127, -128])
+def test_linear_at_the_int32_limit(isa_all, wval, m):
+    """k = the largest reduction length (2^31 / (128 * 127) - 1) with every
+    product at its extreme: the sums reach +-2^31 * (1 - eps) and must come back
+    exactly (the VNNI kernels' unsigned-offset sums wrap modulo 2^32 in between;
+    m = 64 takes the block kernel on avx512_bf16)."""
+    k = (1 << 31) // (128 * 127) - 1
+    x = np.full((m, k), 3.0, F32)
+    x[1::2] = -3.0
+    w = np.full((3, k), wval, np.int8)
+    scb = np.array([1.0, 2.0, 0.5], F32)
+    y = q4.int8_linear(x, w, scb)
+    assert np.array_equal(inputs.bits(y), inputs.bits(oracle.linear_f32(x, w, scb)))
+    with pytest.raises(ValueError, match=f"k = {k + 1} overflows"):
+        q4.int8_linear(np.ones((1, k + 1), F32), np.ones((1, k + 1), np.int8), scb[:1])
 
 
 def test_thread_count_does_not_change_results():
@@ -352,3 +391,29 @@ def test_flush_denormal_mode_does_not_change_results(rng):
     for a, b in zip(want, got, strict=True):
         assert np.array_equal(inputs.bits(a), inputs.bits(b))
     assert np.array_equal(inputs.bits(want[-1]), inputs.bits(oracle.grad_input_f32(dy, w, tiny_scb)))
+
+
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+@pytest.mark.parametrize("m,k,n", [(64, 4, 1), (100, 1001, 77), (300, 515, 130)])
+def test_block_kernel_matches_scalar(rng, m, k, n, threshold):
+    """From 64 x rows the avx512_bf16 level runs the block kernel (int8_gemm,
+    lanes = output columns, packed weight panels, several x-row blocks): the
+    same bytes as the scalar path and as the oracle."""
+    if not q4.cpu_has_avx512_bf16():
+        pytest.skip("not run: the processor lacks avx512_bf16 (AVX512_BF16 + AVX512_VNNI)")
+    x = _activations(rng, (m, k), "bfloat16", outlier_cols=(0, k - 1) if k > 1 else ())
+    w, scb = _weight(rng, n, k)
+    w[0, :] = -128
+    bias = rng.standard_normal(n).astype(F32)
+    before = q4.cpu_isa()
+    try:
+        q4.set_cpu_isa("avx512_bf16")
+        y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype="float32")
+        assert q4.cpu_features()["last_kernel"]["int8_linear"] == "avx512_bf16.int8_gemm"
+        q4.set_cpu_isa("scalar")
+        y0 = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype="float32")
+    finally:
+        q4.set_cpu_isa(before)
+    assert np.array_equal(inputs.bits(y), inputs.bits(y0))
+    ref = oracle.linear_f32(inputs.to_f32(x), w, scb, threshold, bias)
+    assert np.array_equal(inputs.bits(y), inputs.bits(ref))
