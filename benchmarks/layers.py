@@ -1,6 +1,6 @@
 """Quantized layers beside bitsandbytes 0.50.2 and dense torch, 4096x4096 with
-bias, fp32 inputs: forward at batch 1 and 32 and a training step (forward +
-backward to the input, frozen weight), in one process.
+bias, fp32 and bf16 inputs: forward at batch 1, 32 and 512 and a training step
+(forward + backward to the input, frozen weight), in one process.
 
     Q4_LIBRARY=build/<dir>/libq4.so PYTHONPATH=. .venv/bin/python benchmarks/run.py layers
 
@@ -19,7 +19,7 @@ import logging
 from common import interleaved, print_header, print_table, write_json
 
 N = K = 4096
-BATCHES = (1, 32)
+BATCHES = (1, 32, 512)
 
 
 def main() -> dict:
@@ -30,7 +30,7 @@ def main() -> dict:
 
     # bitsandbytes logs on every fp32 Linear8bitLt call that it rounds the input to fp16 (said once below)
     logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-    head = print_header("layers: Linear4bit / Linear8bitLt forward and training step, 4096x4096, fp32 input")
+    head = print_header("layers: Linear4bit / Linear8bitLt forward and training step, 4096x4096, fp32 / bf16 input")
     torch.manual_seed(0)
     w = torch.randn(N, K) * 0.02
     b = torch.randn(N) * 0.1
@@ -42,7 +42,8 @@ def main() -> dict:
         return layer.to("cpu")
 
     kinds = {
-        "Linear4bit nf4": (qnn.Linear4bit, bnb.nn.Linear4bit, {"quant_type": "nf4", "compute_dtype": torch.float32}),
+        "Linear4bit nf4": (qnn.Linear4bit, bnb.nn.Linear4bit, {"quant_type": "nf4"}),  # computes in x's dtype
+        "Linear8bitLt t=0": (qnn.Linear8bitLt, bnb.nn.Linear8bitLt, {"has_fp16_weights": False, "threshold": 0.0}),
         "Linear8bitLt t=6": (qnn.Linear8bitLt, bnb.nn.Linear8bitLt, {"has_fp16_weights": False, "threshold": 6.0}),
     }
     dense = torch.nn.Linear(K, N)
@@ -61,8 +62,9 @@ def main() -> dict:
     for name, (ours_cls, theirs_cls, kw) in kinds.items():
         ours = build(ours_cls, **kw)
         theirs_eval, theirs_train = build(theirs_cls, **kw).eval(), build(theirs_cls, **kw).train()
-        for m in (1, 32):
-            x = torch.randn(m, K)
+        for dtype, m in [(d, m) for d in (torch.float32, torch.bfloat16) for m in BATCHES]:
+            x = torch.randn(m, K).to(dtype)
+            dense.to(dtype)
             ours.eval()
             dense.eval()
             with torch.inference_mode():
@@ -70,7 +72,7 @@ def main() -> dict:
                     {
                         "q4 forward": forward(ours, x),
                         "bitsandbytes forward": forward(theirs_eval, x),
-                        "dense fp32 forward": forward(dense, x),
+                        "dense forward": forward(dense, x),
                     }
                 )
             ours.train()
@@ -79,16 +81,17 @@ def main() -> dict:
                 {
                     "q4 train step": train_step(ours, x),
                     "bitsandbytes train step": train_step(theirs_train, x),
-                    "dense fp32 train step": train_step(dense, x),
+                    "dense train step": train_step(dense, x),
                 },
-                rounds=7,
+                rounds=7 if m < 512 else 3,
             )
             r = {k: v["median_ms"] for k, v in {**fwd, **step}.items()}
             r["bnb / q4 forward"] = r["bitsandbytes forward"] / r["q4 forward"]
-            r["dense / q4 forward"] = r["dense fp32 forward"] / r["q4 forward"]
+            r["dense / q4 forward"] = r["dense forward"] / r["q4 forward"]
             r["bnb / q4 train"] = r["bitsandbytes train step"] / r["q4 train step"]
-            r["dense / q4 train"] = r["dense fp32 train step"] / r["q4 train step"]
-            results[f"{name}, batch {m}"] = r
+            r["dense / q4 train"] = r["dense train step"] / r["q4 train step"]
+            results[f"{name}, {str(dtype).removeprefix('torch.')}, batch {m}"] = r
+        dense.to(torch.float32)
     print("note: bitsandbytes' Linear8bitLt rounds fp32 inputs to fp16 before its int8 quantization (its warning)")
     header = ["layer"] + list(next(iter(results.values())))
     print_table(
