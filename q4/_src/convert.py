@@ -355,7 +355,11 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             src_file = Path(cast(Path, src_dir), rel)
             if (outs[0].parent / rel).resolve() != src_file.resolve():
                 (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
-                copy_atomic(src_file, outs[0].parent / rel)
+                config = model_config(src_file, opts, kept) if rel == "config.json" else None
+                if config is not None:
+                    write_atomic(outs[0].parent / rel, config)
+                else:
+                    copy_atomic(src_file, outs[0].parent / rel)
         if out_index is not None:
             _write_index(out_index, weight_map, sum(w.size for w in writers))
     finally:
@@ -372,6 +376,47 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
         outs + ([out_index] if out_index else []),
         [Path(e) for e in extras],
     )
+
+
+def model_config(path: Path, opts: Options, kept: list[str]) -> bytes | None:
+    """A model folder's config.json (a transformers config: a JSON object with
+    "model_type") rewritten for the quantized weights, or None for any other
+    file. Its `quantization_config` describes them in bitsandbytes' terms (the
+    bytes are bitsandbytes' format): transformers with bitsandbytes loads the
+    folder as quantized layers, and without it refuses to load it, instead of
+    re-initialising every quantized weight at random as it would with the
+    original config. Every module kept in full precision is listed in
+    `llm_int8_skip_modules` (transformers matches those names as substrings)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict) or "model_type" not in config:
+        return None
+    if "quantization_config" in config:
+        raise CheckpointError(f"{path}: the model is already quantized (quantization_config in its config.json)")
+    skip = sorted({k.rsplit(".", 1)[0] for k in kept if k.endswith(".weight")})
+    if opts.quant_type == "int8":
+        qc = {
+            "quant_method": "bitsandbytes",
+            "load_in_8bit": True,
+            "load_in_4bit": False,
+            "llm_int8_threshold": 6.0,
+            "llm_int8_has_fp16_weight": False,
+        }
+    else:
+        qc = {
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "load_in_8bit": False,
+            "bnb_4bit_quant_type": opts.quant_type,
+            "bnb_4bit_use_double_quant": bool(opts.nested),
+            "bnb_4bit_compute_dtype": "float32",
+            "bnb_4bit_quant_storage": "uint8",
+        }
+    qc["llm_int8_skip_modules"] = skip
+    config["quantization_config"] = qc
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _extra_files(src_dir: Path, files: list[Path], index: Path | None) -> list[str]:
