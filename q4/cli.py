@@ -260,6 +260,17 @@ def cmd_parity(args) -> int:
 # ------------------------------------------------------------------ parser
 
 
+def q4_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("q4")
+    except metadata.PackageNotFoundError:  # a source checkout on PYTHONPATH
+        import q4
+
+        return q4.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from q4._src.convert import DEFAULT_SKIP
 
@@ -269,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Run 'q4 COMMAND --help' for a command's options.",
     )
+    p.add_argument("--version", action="version", version=f"q4 {q4_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     progress = argparse.ArgumentParser(add_help=False)
     progress.add_argument(
@@ -299,10 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--no-nested", action="store_true", help="4-bit: keep the fp32 absmax (no nested 8-bit statistics)")
     q.add_argument(
         "--skip",
-        nargs="+",
+        action="append",
         default=[],
         metavar="PATTERN",
-        help="keep layers matching these fnmatch patterns unquantized",
+        help="keep layers matching this fnmatch pattern unquantized (repeat for more)",
     )
     q.add_argument(
         "--no-default-skip", action="store_true", help="do not skip the default patterns (embeddings, lm_head)"
@@ -331,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file", metavar="FILE", help=".safetensors file, *.index.json, or directory")
     c.add_argument("--batch", type=int, default=4, metavar="N", help="rows of random input per layer (default: 4)")
     c.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    c.add_argument("--layer", nargs="+", metavar="NAME", help="check only these layers")
+    c.add_argument("--layer", action="append", metavar="NAME", help="check only this layer (repeat for more)")
     c.set_defaults(func=cmd_parity)
 
     return p

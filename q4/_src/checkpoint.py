@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from q4._src import formats
 from q4._src.formats import short_repr
 from q4._src.quant_state import JSON_KEY_PREFIX, QuantState, QuantStateError, is_json_int, strict_json_loads
 
@@ -121,11 +122,13 @@ def _check_4bit(tensors: dict[str, np.ndarray], prefix: str) -> dict:
     if weight_key not in tensors:
         raise CheckpointError(f"layer '{prefix}': missing tensor '{weight_key}'")
     weight = tensors[weight_key]
-    want = (math.prod(state.shape) + 1) // 2
-    if weight.nbytes != want:
-        raise CheckpointError(
-            f"tensor '{weight_key}' holds {weight.nbytes} bytes; its quant_state shape {state.shape} needs {want}"
-        )
+    formats.check_packed_size(
+        weight.nbytes,
+        math.prod(state.shape),
+        f"tensor '{weight_key}'",
+        f"its quant_state shape {state.shape}",
+        CheckpointError,
+    )
     return {
         "kind": "Linear4bit",
         "quant_type": state.quant_type,
@@ -264,6 +267,8 @@ class Reader:
             raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (truncated?)")
         (n,) = struct.unpack("<Q", head)
         if n > _HEADER_LIMIT or 8 + n > size:
+            if os.pread(fd, 1, 8) != b"{":  # a safetensors header is a JSON object
+                raise CheckpointError(f"{path}: not a safetensors file ({_file_kind(head)})")
             raise CheckpointError(f"{path}: header of {n} bytes does not fit in the {size}-byte file (truncated?)")
         raw = os.pread(fd, n, 8)
         if len(raw) < n:
@@ -582,6 +587,19 @@ def _unlink(tmp) -> None:
         os.unlink(tmp)
     except FileNotFoundError:
         pass
+
+
+def _file_kind(head: bytes) -> str:
+    """What the first bytes of a file that is not safetensors look like."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive, e.g. a PyTorch .bin/.pt checkpoint from torch.save: convert it to safetensors first"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "a Python pickle: convert it to safetensors first"
+    if head.startswith(b"\x89HDF"):
+        return "an HDF5 file"
+    if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        return f"it starts with the text {head.decode('ascii')!r}"
+    return f"its first bytes are {head.hex(' ')}"
 
 
 class Writer:

@@ -267,6 +267,12 @@ def _bad_inputs(tmp_path: Path, good: Path) -> dict[str, tuple[Path, list[str], 
     p.write_bytes(b"\1\2\3")
     cases["three bytes"] = (p, [], "too short")
     cases["missing"] = (tmp_path / "nope.safetensors", [], "no such file")
+    p = tmp_path / "notes.safetensors"
+    p.write_text("these are notes, not tensors\n" * 4)
+    cases["text file"] = (p, [], "not a safetensors file (it starts with the text 'these ar')")
+    p = tmp_path / "pytorch_model.bin"
+    p.write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    cases["torch.save zip"] = (p, [], "not a safetensors file (a zip archive")
     p = tmp_path / "int.safetensors"
     _write_raw(p, {"fc.weight": {"dtype": "I32", "shape": [4, 8], "data_offsets": [0, 128]}}, b"\0" * 128)
     cases["int32 weight"] = (p, [], "int32")
@@ -425,3 +431,21 @@ def test_unusual_tensor_names(rng, tmp_path, capsys):
         assert len(json.loads(checkpoint.load_metadata(out)["q4.layers"])) == 300
         assert set(q4.checkpoint.validate(got)) == {k[: -len(".weight")] for k in tensors}
     capsys.readouterr()
+
+
+def test_version_and_repeatable_options(source, tmp_path, capsys):
+    import q4 as q4pkg
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"q4 {q4pkg.__version__}"
+    src, _ = source
+    out = tmp_path / "q.safetensors"
+    # options before the positional paths: --skip takes one pattern each time
+    assert main(["quantize", "--skip", "head", "--skip", "blocks.1.*", str(src), str(out)]) == 0
+    with checkpoint.Reader(out) as r:
+        keys = set(r.keys())
+    assert "head.weight.absmax" not in keys and "blocks.1.proj.weight.absmax" not in keys
+    assert "blocks.0.attn.weight.absmax" in keys
+    capsys.readouterr()
+    assert main(["parity", "--layer", "blocks.0.attn", str(out)]) == 0

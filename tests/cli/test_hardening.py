@@ -330,7 +330,7 @@ def test_layer_names_with_dots_and_bare_layers():
     bare4 = {k[len("a.") :]: v for k, v in t.items() if k.startswith("a.")}
     assert checkpoint.quantized_groups(bare4) == {("nf4", 64, True): [""]}
     bare4["weight"] = bare4["weight"][:-1]
-    with pytest.raises(CheckpointError, match="'weight' holds 255 bytes"):
+    with pytest.raises(CheckpointError, match="'weight' has 255 bytes"):
         checkpoint.validate(bare4)
 
 
