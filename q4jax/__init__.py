@@ -11,6 +11,7 @@ from q4jax._src.quant import (
     dequantize_blockwise,
     quantize_4bit,
     quantize_blockwise,
+    quantize_int8_weight,
 )
 from q4jax._src.sharding import (
     LinearSharding,
@@ -37,6 +38,7 @@ __all__ = [
     "matmul_8bit",
     "quantize_4bit",
     "quantize_blockwise",
+    "quantize_int8_weight",
     # SPMD: quantized layers over a device mesh
     "LinearSharding",
     "place_bias",

@@ -15,7 +15,7 @@ from flax import nnx
 from reference import inputs
 
 import q4jax
-from q4jax._src.quant import quantize_int8_weight
+from q4jax import quantize_int8_weight  # the public name (README: the producer of matmul_8bit's cb, scb)
 
 
 def _bnb(w: np.ndarray):
