@@ -95,18 +95,16 @@ void dots(const Int8Dots& d) {
   }
 }
 
-template <int MR>
-void dots_nr(const Int8Dots& d) {
-  switch (d.nr) {
-    case 4:
-      return dots<MR, 4>(d);
-    case 3:
-      return dots<MR, 3>(d);
-    case 2:
-      return dots<MR, 2>(d);
-    default:
-      return dots<MR, 1>(d);
+// dots with MR = mr (1..4) and NR = nr (1..4) chosen at run time
+template <int MR, int NR>
+void dots_any(const Int8Dots& d) {
+  if constexpr (NR > 1) {
+    if (d.nr < NR) return dots_any<MR, NR - 1>(d);
   }
+  if constexpr (MR > 1) {
+    if (d.mr < MR) return dots_any<MR - 1, NR>(d);
+  }
+  dots<MR, NR>(d);
 }
 
 constexpr int kGemmMR = 6;        // x rows per register tile
@@ -182,6 +180,18 @@ void gemm_tile(const Int8Gemm& g, int64_t i0, int64_t c0, const uint8_t* panel, 
   }
 }
 
+// gemm_tile with MR = rows (1..RMAX) chosen at run time
+template <int RMAX>
+void gemm_rows(int rows, const Int8Gemm& g, int64_t i0, int64_t c0, const uint8_t* panel, int64_t steps, int64_t j0,
+               const __mmask16 (&mk)[kGemmNV], bool first) {
+  if constexpr (RMAX > 1) {
+    if (rows == RMAX) return gemm_tile<RMAX>(g, i0, c0, panel, steps, j0, mk, first);
+    return gemm_rows<RMAX - 1>(rows, g, i0, c0, panel, steps, j0, mk, first);
+  } else {
+    return gemm_tile<1>(g, i0, c0, panel, steps, j0, mk, first);
+  }
+}
+
 }  // namespace
 
 bool int8_gemm(const Int8Gemm& g) {
@@ -201,26 +211,7 @@ bool int8_gemm(const Int8Gemm& g) {
         pack_panel(g.w, g.k, j0, cols, c0, len, panel);
         for (int64_t i0 = 0; i0 < g.m; i0 += kGemmMR) {
           const int mr = int(std::min<int64_t>(kGemmMR, g.m - i0));
-          switch (mr) {
-            case 6:
-              gemm_tile<6>(g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
-              break;
-            case 5:
-              gemm_tile<5>(g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
-              break;
-            case 4:
-              gemm_tile<4>(g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
-              break;
-            case 3:
-              gemm_tile<3>(g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
-              break;
-            case 2:
-              gemm_tile<2>(g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
-              break;
-            default:
-              gemm_tile<1>(g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
-              break;
-          }
+          gemm_rows<kGemmMR>(mr, g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
         }
       }
     }
@@ -230,20 +221,7 @@ bool int8_gemm(const Int8Gemm& g) {
 
 bool int8_dots(const Int8Dots& d) {
   if (d.mr < 1 || d.mr > 4 || d.nr < 1 || d.nr > 4 || d.x_sums == nullptr) return false;
-  switch (d.mr) {
-    case 4:
-      dots_nr<4>(d);
-      break;
-    case 3:
-      dots_nr<3>(d);
-      break;
-    case 2:
-      dots_nr<2>(d);
-      break;
-    default:
-      dots_nr<1>(d);
-      break;
-  }
+  dots_any<4, 4>(d);
   return true;
 }
 
