@@ -369,8 +369,8 @@ class Linear8bit(_QuantLinear):
     |x| >= threshold are computed in fp32. Output in ``dtype`` (default the
     input's); gradients flow to the input and the bias.
 
-    Quantization runs on the host (numpy kernels): construct the layer outside
-    ``jit``.
+    The weight is quantized through the int8_quantize_rows custom call, so the
+    layer can be built inside ``jit`` too.
 
     ``shard(LinearSharding)`` (or ``shard_model``) lays CB / SCB out over a
     device mesh; the forward then runs ``q4jax.sharded_matmul_8bit`` (the same
