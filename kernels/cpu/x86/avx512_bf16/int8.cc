@@ -46,6 +46,16 @@ namespace cpu {
 namespace avx512_bf16 {
 namespace {
 
+// The sum of the 16 lanes modulo 2^32 (the header's _mm512_reduce_add_epi32
+// adds as signed int, undefined on overflow, which these sums may reach).
+inline uint32_t lane_sum(__m512i v) {
+  const __m256i a = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  __m128i b = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  b = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0x4e));
+  b = _mm_add_epi32(b, _mm_shuffle_epi32(b, 0xb1));
+  return uint32_t(_mm_cvtsi128_si32(b));
+}
+
 // acc + the 4-byte dot products of unsigned a and signed b per lane. Written
 // in asm with acc tied in and out: GCC 12 keeps a copy of every accumulator of
 // the intrinsic's tiles on the stack and moves it through registers.
@@ -90,8 +100,7 @@ void dots(const Int8Dots& d) {
   for (int i = 0; i < MR; ++i) {
     const uint32_t bias = uint32_t(d.x_sums[i]) << 7;  // 128 * sum x, modulo 2^32
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j)
-      d.acc[i * d.acc_stride + j] = int32_t(uint32_t(_mm512_reduce_add_epi32(acc[i][j])) - bias);
+    for (int j = 0; j < NR; ++j) d.acc[i * d.acc_stride + j] = int32_t(lane_sum(acc[i][j]) - bias);
   }
 }
 
