@@ -80,11 +80,11 @@ def parse_ops(text: str) -> dict[str, list[Any]]:
             raise NativeLibraryError(f"malformed op entry {line!r} in the library's op list")
         argtypes: list[Any] = []
         for param in params[:-1].split(","):
-            ctype = param.strip().rsplit(" ", 1)[0].strip()
-            if ctype.endswith("*"):
+            ctype, _, pname = param.strip().rpartition(" ")
+            if ctype.endswith("*") or pname.startswith("*"):
                 argtypes.append(c_void_p)
-            elif ctype in _C_TYPES:
-                argtypes.append(_C_TYPES[ctype])
+            elif ctype.strip() in _C_TYPES:
+                argtypes.append(_C_TYPES[ctype.strip()])
             else:
                 raise NativeLibraryError(f"op {name}: parameter type {ctype!r} has no ctypes mapping")
         ops[name] = argtypes

@@ -149,3 +149,12 @@ def test_op_list_matches_the_def_file_and_every_symbol_exists():
 def test_malformed_op_list_is_refused(text, message):
     with pytest.raises(native.NativeLibraryError, match=message):
         native.parse_ops(text)
+
+
+def test_op_list_parser_reads_c_declarations():
+    """Pointers in either spelling are addresses; int32/int64/float map to ctypes."""
+    ops = native.parse_ops("a(const float *x, int64_t n, float s, int32_t* out)\nb(void* p)\n")
+    assert ops == {
+        "a": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p],
+        "b": [ctypes.c_void_p],
+    }
