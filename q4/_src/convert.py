@@ -314,6 +314,19 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
     src_dir = Path(src) if Path(src).is_dir() else index.parent if index is not None else None
     extras = _extra_files(src_dir, files, index) if to_dir and src_dir is not None else []
     shards, skipped = _plan(files, outs, opts)
+    # a transformers config.json is rewritten (checked here, before any output)
+    try:
+        planned_kept = [k for sh in shards for k in sh.reader.keys() if k not in set(sh.quantize)]
+        configs = {
+            rel: config
+            for rel in extras
+            if rel == "config.json"
+            and (config := model_config(Path(cast(Path, src_dir), rel), opts, planned_kept)) is not None
+        }
+    except BaseException:
+        for shard in shards:
+            shard.reader.close()
+        raise
     outs[0].parent.mkdir(parents=True, exist_ok=True)
     writers: list[Writer] = []
     layers, kept = [], []
@@ -355,9 +368,8 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             src_file = Path(cast(Path, src_dir), rel)
             if (outs[0].parent / rel).resolve() != src_file.resolve():
                 (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
-                config = model_config(src_file, opts, kept) if rel == "config.json" else None
-                if config is not None:
-                    write_atomic(outs[0].parent / rel, config)
+                if rel in configs:
+                    write_atomic(outs[0].parent / rel, configs[rel])
                 else:
                     copy_atomic(src_file, outs[0].parent / rel)
         if out_index is not None:

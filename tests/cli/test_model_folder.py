@@ -97,3 +97,18 @@ def test_an_already_quantized_folder_is_refused(folders, tmp_path, capsys):
     assert main(["quantize", str(folders["nf4"]), str(tmp_path / "again")]) == 1
     assert "already quantized" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
+
+
+def test_a_config_that_is_already_quantized_is_refused_before_any_output(minilm, tmp_path, capsys):
+    """Float weights beside a config.json that already names a quantization:
+    refused while planning, so no shard or other file is written."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").symlink_to(minilm / "model.safetensors")
+    config = json.loads((minilm / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out)]) == 1
+    assert "already quantized (quantization_config in its config.json)" in capsys.readouterr().err
+    assert not out.exists() or list(out.iterdir()) == []
