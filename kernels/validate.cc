@@ -4,6 +4,7 @@
 
 #include "q4/kernels.h"
 #include "q4/packing.h"
+#include "q4/w4a8.h"
 
 namespace q4 {
 namespace {
@@ -157,6 +158,15 @@ Status validate(const Gemm4bitParams& p) {
   if (p.bias != nullptr) Q4_RETURN_IF_ERROR(check_float_dtype(p.bias_dtype, "bias dtype"));
   Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
   return check_ptr(p.out, "output");
+}
+
+Status validate_w4a8(const Gemm4bitParams& p) {
+  Q4_RETURN_IF_ERROR(validate(p));
+  const int64_t ba = w4a8::act_block(p.blocksize);
+  if (p.k % ba != 0)
+    return Status::Invalid("W4A8 (int8 activations) needs in_features k to be a multiple of " + S(ba) +
+                           " (its activation block for blocksize " + S(p.blocksize) + "), got k = " + S(p.k));
+  return Status::Ok();
 }
 
 Status validate(const Gemm4bitGradInputParams& p) {

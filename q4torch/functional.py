@@ -543,6 +543,7 @@ def matmul_4bit(
     quant_state: QuantState,
     out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    activation_quant: str | None = None,
 ) -> torch.Tensor:
     """A . dequantize(B)^T (+ bias) through the fused kernels, differentiable in
     A and bias (the quantized weight is frozen). B is the packed weight (any
@@ -550,16 +551,23 @@ def matmul_4bit(
 
     Neither direction materialises the dequantized weight; the backward uses
     the packed weight saved by the forward (save_for_backward).
+
+    activation_quant='int8' (opt-in W4A8): A is quantized to int8 per row in
+    blocks of min(64, blocksize) and multiplied with the codes as int8 values
+    in integer dot products (README "W4A8"): faster on VNNI CPUs, less exact
+    (about 1e-2 relative error); in_features must be a multiple of the
+    block. Its gradient is the exact one of A . dequantize(B)^T.
     """
     if quant_state is None:
         raise ValueError("matmul_4bit needs the weight's quant_state")
+    formats.check_activation_quant(activation_quant)
     if out is None and isinstance(quant_state, QuantState) and isinstance(A, torch.Tensor) and _eager_cpu(A, bias):
         # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
         with torch._C.DisableTorchFunctionSubclass():
             if isinstance(B, torch.Tensor) and B.is_cpu and B.is_contiguous():
                 n, k, scales = _prepared_args(quant_state, B)
                 bs, qt = int(quant_state.blocksize), quant_state.quant_type
-                return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias)
+                return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
     _check_tensors(A=A, B=B, out=out, bias=bias)
     check_quant_state(quant_state, B)
     if len(quant_state.shape) != 2:
@@ -567,7 +575,8 @@ def matmul_4bit(
     n, k = (int(s) for s in quant_state.shape)
     packed = B if B.dtype == torch.uint8 else B.view(torch.uint8)
     nested = quant_state.nested
-    y = ops.gemm_4bit(
+    op = ops.gemm_4bit if activation_quant is None else ops.gemm_4bit_w4a8
+    y = op(
         A,
         packed.reshape(-1),
         quant_state.absmax,

@@ -9,6 +9,7 @@
 #include "q4/fp4.h"
 #include "q4/kernels.h"
 #include "q4/nf4.h"
+#include "q4/w4a8.h"
 
 using q4::capi::finish;
 
@@ -46,6 +47,7 @@ int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size) {
 int64_t q4_min_blocksize(void) { return q4::kMinBlocksize; }
 int64_t q4_max_blocksize(void) { return q4::kMaxBlocksize; }
 int64_t q4_nested_blocksize(void) { return q4::kNestedBlocksize; }
+int64_t q4_w4a8_act_block(int64_t blocksize) { return q4::w4a8::act_block(blocksize); }
 
 int32_t q4_cpu_isa(void) { return q4::cpu_isa(); }
 int32_t q4_cpu_has_avx2(void) { return q4::cpu_has_avx2() ? 1 : 0; }

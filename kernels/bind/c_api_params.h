@@ -136,6 +136,12 @@ inline Gemm4bitParams gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64
   return p;
 }
 
+// gemm_4bit_w4a8 takes gemm_4bit's arguments.
+template <typename... A>
+Gemm4bitParams gemm_4bit_w4a8(A... args) {
+  return gemm_4bit(args...);
+}
+
 inline Gemm4bitGradInputParams gemm_4bit_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n,
                                                     int64_t k, const uint8_t* packed, int64_t packed_size,
                                                     const float* absmax, const uint8_t* nested_codes,

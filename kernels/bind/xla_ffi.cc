@@ -83,6 +83,16 @@ ffi::Error gemm_4bit(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8
   });
 }
 
+ffi::Error gemm_4bit_w4a8(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                          ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
+                          int64_t nested) {
+  return on_pool(pool, [&] {
+    return gemm_4bit_batched(x, packed, absmax, nested_absmax, nested_offset, bias, out, n, k, blocksize, quant_type,
+                             nested, [](const Gemm4bitParams& p) { return cpu::gemm_4bit_w4a8(p); });
+  });
+}
+
 ffi::Error gemm_4bit_grad_input(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
                                 ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
                                 ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,

@@ -163,7 +163,7 @@ auto bind_quantize_nested(B b) {
 // nested=1, u8 codes [n_blocks] plus nested_absmax f32 and nested_offset f32[1]
 // (pass empty arrays when not nested). Bias: f32/f16/bf16 [n] or empty.
 template <class B>
-auto bind_gemm_4bit(B b) {
+auto bind_gemm_4bit(B&& b) {  // (a reference: gemm_4bit_w4a8 passes its own on)
   return std::move(b)
       .template Arg<ffi::AnyBuffer>()         // x: [..., m, k] (rows = all leading dims)
       .template Arg<ffi::Buffer<ffi::U8>>()   // packed W [n, k] (or [batch, ...] stacked)
@@ -177,6 +177,11 @@ auto bind_gemm_4bit(B b) {
       .template Attr<int64_t>("blocksize")
       .template Attr<int64_t>("quant_type")
       .template Attr<int64_t>("nested");
+}
+
+template <class B>
+auto bind_gemm_4bit_w4a8(B&& b) {  // gemm_4bit's operands and attributes
+  return bind_gemm_4bit(std::move(b));
 }
 
 template <class B>

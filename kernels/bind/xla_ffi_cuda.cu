@@ -62,6 +62,14 @@ ffi::Error gemm_4bit(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8>
                            nested, [&](const Gemm4bitParams& p) { return cuda::gemm_4bit(p, stream); });
 }
 
+ffi::Error gemm_4bit_w4a8(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> packed, ffi::AnyBuffer absmax,
+                          ffi::Buffer<ffi::F32> nested_absmax, ffi::Buffer<ffi::F32> nested_offset, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t n, int64_t k, int64_t blocksize, int64_t quant_type,
+                          int64_t nested) {
+  return gemm_4bit_batched(x, packed, absmax, nested_absmax, nested_offset, bias, out, n, k, blocksize, quant_type,
+                           nested, [&](const Gemm4bitParams& p) { return cuda::gemm_4bit_w4a8(p, stream); });
+}
+
 ffi::Error gemm_4bit_grad_input(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Buffer<ffi::U8> packed,
                                 ffi::AnyBuffer absmax, ffi::Buffer<ffi::F32> nested_absmax,
                                 ffi::Buffer<ffi::F32> nested_offset, ffi::Result<ffi::AnyBuffer> grad_input, int64_t n,

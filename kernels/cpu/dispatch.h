@@ -78,6 +78,7 @@ using Int8GemmFn = bool (*)(const Int8Gemm& g);
 struct KernelTable {
   Chain<Gemm4Fn> gemm4;
   Chain<Grad4Fn> grad4;
+  Chain<Gemm4Fn> w4a8;  // gemm_4bit_w4a8 (contract in q4/w4a8.h)
   Chain<Int8DotsFn> int8_dots;
   Chain<Int8GemmFn> int8_gemm;
 };
@@ -86,15 +87,23 @@ struct KernelTable {
 const KernelTable& kernel_table();
 
 // Ops whose last-run kernel is recorded (for tests and benchmarks).
-enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kCount = 3 };
+enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kW4A8 = 3, kCount = 4 };
 void record_kernel(Op op, const char* name);
 const char* last_kernel(Op op);
+
+// Runs the first entry of `chain` that serves the call and records its name.
+template <typename Fn, typename P>
+void run_chain(const Chain<Fn>& chain, Op op, const P& p, const gemm4::Scales& scales) {
+  for (int i = 0; i < chain.size; ++i)
+    if (chain.entries[i].fn(p, scales)) return record_kernel(op, chain.entries[i].name);
+}
 
 // Entry points of each level's translation unit. Every unit exists in every
 // build; on a non-x86 build the x86 units define no entries.
 namespace scalar {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);  // cpu/w4a8.cc
 }  // namespace scalar
 namespace avx2 {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
@@ -114,6 +123,8 @@ bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // LLM.int8 dot products with vpdpbusd (AVX512_VNNI)
 bool int8_dots(const Int8Dots& d);
 bool int8_gemm(const Int8Gemm& g);
+// W4A8 with vpdpbusd (x86/avx512_bf16/w4a8.cc)
+bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);
 }  // namespace avx512_bf16
 
 }  // namespace cpu

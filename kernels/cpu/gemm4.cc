@@ -66,20 +66,6 @@ void grad_input_scalar(const Gemm4bitGradInputParams& p, const float* dy, const 
   });
 }
 
-// The params' own checks, then a caller-supplied nested code book's.
-template <typename P>
-Status validate_with_code_book(const P& p) {
-  Status s = validate(p);
-  if (s.ok() && p.scales.nested() && p.scales.nested_code) s = validate_code_book(p.scales.nested_code);
-  return s;
-}
-
-template <typename Fn, typename P>
-void run_chain(const Chain<Fn>& chain, Op op, const P& p, const Scales& scales) {
-  for (int i = 0; i < chain.size; ++i)
-    if (chain.entries[i].fn(p, scales)) return record_kernel(op, chain.entries[i].name);
-}
-
 }  // namespace
 
 namespace scalar {
@@ -96,7 +82,7 @@ bool grad4(const Gemm4bitGradInputParams& p, const Scales& scales) {
 }  // namespace scalar
 
 Status gemm_4bit(const Gemm4bitParams& p) {
-  const Status s = validate_with_code_book(p);
+  const Status s = with_code_book(validate(p), p.scales);
   if (!s.ok()) return s;
   ScopedIeeeFloat ieee;
   const Scales scales(p.scales);
@@ -105,7 +91,7 @@ Status gemm_4bit(const Gemm4bitParams& p) {
 }
 
 Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p) {
-  const Status s = validate_with_code_book(p);
+  const Status s = with_code_book(validate(p), p.scales);
   if (!s.ok()) return s;
   ScopedIeeeFloat ieee;
   const Scales scales(p.scales);

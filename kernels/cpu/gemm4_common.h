@@ -50,6 +50,12 @@ class Scales {
   float offset_ = 0.0f;
 };
 
+// s, then (if s is ok) the check of a caller-supplied nested code book.
+inline Status with_code_book(Status s, const Absmax4& a) {
+  if (s.ok() && a.nested() && a.nested_code) s = validate_code_book(a.nested_code);
+  return s;
+}
+
 // Scratch slots (parallel.h scratch()) of the calling thread / of each worker.
 constexpr int kSlotInput = 0;   // caller: fp32 copy of a 16-bit input
 constexpr int kSlotPanels = 1;  // caller: X packed into panels

@@ -84,6 +84,7 @@ cpu::KernelTable build_table(Isa isa) {
     t.grad4.add("avx512_bf16.grad4", cpu::avx512_bf16::grad4);
     t.int8_dots.add("avx512_bf16.int8_dots", cpu::avx512_bf16::int8_dots);
     t.int8_gemm.add("avx512_bf16.int8_gemm", cpu::avx512_bf16::int8_gemm);
+    t.w4a8.add("avx512_bf16.w4a8", cpu::avx512_bf16::w4a8);
   }
   if (isa >= kIsaAvx512) {
     t.gemm4.add("avx512.gemm4", cpu::avx512::gemm4);
@@ -96,6 +97,7 @@ cpu::KernelTable build_table(Isa isa) {
 #endif
   t.gemm4.add("scalar.gemm4", cpu::scalar::gemm4);
   t.grad4.add("scalar.grad4", cpu::scalar::grad4);
+  t.w4a8.add("scalar.w4a8", cpu::scalar::w4a8);
   return t;
 }
 
@@ -181,9 +183,13 @@ std::string cpu_features_json() {
   if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_dots";
   names[count++] = "scalar.int8_dots";
   json_chain(s, "int8_linear", names, count);
+  s += ", ";
+  for (int i = 0; i < t.w4a8.size; ++i) names[i] = t.w4a8.entries[i].name;
+  json_chain(s, "gemm_4bit_w4a8", names, t.w4a8.size);
   s += "}, \"last_kernel\": {\"gemm_4bit\": \"" + std::string(cpu::last_kernel(cpu::Op::kGemm4)) +
        "\", \"gemm_4bit_grad_input\": \"" + std::string(cpu::last_kernel(cpu::Op::kGrad4)) + "\", \"int8_linear\": \"" +
-       std::string(cpu::last_kernel(cpu::Op::kInt8Linear)) + "\"}}";
+       std::string(cpu::last_kernel(cpu::Op::kInt8Linear)) + "\", \"gemm_4bit_w4a8\": \"" +
+       std::string(cpu::last_kernel(cpu::Op::kW4A8)) + "\"}}";
   return s;
 }
 

@@ -38,6 +38,7 @@
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
+#include "q4/w4a8.h"
 
 namespace q4 {
 namespace cuda {
@@ -547,6 +548,93 @@ Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p, void* stream) {
     if (e != cudaSuccess && s.ok())
       s = {kInternal, std::string("gemm_4bit_grad_input: cudaFreeAsync failed: ") + cudaGetErrorString(e)};
   }
+  return s;
+}
+
+namespace {
+
+// ------------------------------------------------------------------ W4A8
+//
+// The contract of q4/w4a8.h, one thread per activation block (quantization)
+// and one per output (the matmul): every operation is the contract's, in its
+// order, rounded explicitly (__fmul_rn / __fadd_rn / __fdiv_rn), so the
+// result is the CPU's bit for bit. Simple, not tuned.
+
+template <typename T>
+__global__ void w4a8_quantize_kernel(const T* x, int64_t m, int64_t k, int64_t ba, int8_t* q, float* sx) {
+  const int64_t nb = k / ba;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < m * nb; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c0 = (i / nb) * k + (i % nb) * ba;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int64_t j = 0; j < ba; ++j) {
+      const float v = Elem<T>::load(x, c0 + j);
+      nan |= !(v == v);
+      amax = fmaxf(amax, fabsf(v));
+    }
+    const w4a8::ActScale s = w4a8::act_scale(nan ? __int_as_float(0x7fc00000) : amax);
+    sx[i] = s.sx;
+    for (int64_t j = 0; j < ba; ++j)
+      q[c0 + j] = s.inv == 0.0f ? int8_t(0) : w4a8::act_quantize(Elem<T>::load(x, c0 + j), s.inv);
+  }
+}
+
+template <QuantType QT>
+__global__ void w4a8_gemm_kernel(const int8_t* q, const float* sx, int64_t m, int64_t n, int64_t k, int64_t ba,
+                                 const uint8_t* packed, ScalesArg sa, int log2_bs, const void* bias, DType bias_dtype,
+                                 void* out, DType out_dtype) {
+  __shared__ float table[16];
+  __shared__ float book[dynamic8::kCodes];
+  __shared__ int table8[16];
+  for (int i = threadIdx.x; i < 16; i += blockDim.x) table8[i] = w4a8::table8<QT>(i);
+  const Scales scales = setup_scales<QT>(sa, table, book);
+  const int64_t nb = k / ba;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < m * n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / n, r = i % n;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t f0 = r * k + b * ba;
+      const int8_t* qb = q + row * k + b * ba;
+      int32_t isum = 0;
+      for (int64_t j = 0; j < ba; ++j) isum += int32_t(qb[j]) * table8[nibble_at(packed, f0 + j)];
+      const float sw = __fdiv_rn(scales(f0 >> log2_bs), w4a8::table_scale<QT>());
+      acc = __fadd_rn(acc, __fmul_rn(float(isum), __fmul_rn(sx[row * nb + b], sw)));
+    }
+    const float bv = bias == nullptr ? 0.0f : load_any(bias, bias_dtype, r);
+    store_any(out, out_dtype, i, __fadd_rn(acc, bv));
+  }
+}
+
+}  // namespace
+
+Status gemm_4bit_w4a8(const Gemm4bitParams& p, void* stream) {
+  Status s = validate_w4a8(p);
+  if (!s.ok()) return s;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t ba = w4a8::act_block(p.blocksize), nb = p.k / ba;
+  const size_t q_bytes = size_t(p.m * p.k), bytes = q_bytes + size_t(p.m * nb) * sizeof(float) + 16;
+  char* work = nullptr;
+  const cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&work), bytes, st);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {kInternal,
+            "gemm_4bit_w4a8: cudaMallocAsync of " + std::to_string(bytes) + " bytes failed: " + cudaGetErrorString(e)};
+  }
+  int8_t* q = reinterpret_cast<int8_t*>(work);
+  float* sx = reinterpret_cast<float*>(work + (q_bytes + 15) / 16 * 16);
+  Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
+    const int grid = int(std::min(ceil_div(p.m * nb, kThreads), kMaxGridX));
+    w4a8_quantize_kernel<T><<<grid, kThreads, 0, st>>>(static_cast<const T*>(p.x), p.m, p.k, ba, q, sx);
+  });
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
+    const int grid = int(std::min(ceil_div(p.m * p.n, kThreads), kMaxGridX));
+    w4a8_gemm_kernel<QT><<<grid, kThreads, 0, st>>>(q, sx, p.m, p.n, p.k, ba, p.packed, scales_arg(p.scales),
+                                                    log2_of(p.blocksize), p.bias, p.bias_dtype, p.out, p.out_dtype);
+  });
+  s = launch_status("gemm_4bit_w4a8");
+  const cudaError_t f = cudaFreeAsync(work, st);
+  if (f != cudaSuccess && s.ok())
+    s = {kInternal, std::string("gemm_4bit_w4a8: cudaFreeAsync failed: ") + cudaGetErrorString(f)};
   return s;
 }
 

@@ -59,6 +59,34 @@ def check_blocksize(blocksize: int) -> int:
     return int(blocksize)
 
 
+# activation_quant of the 4-bit matmuls -> the kernel op (None: X as given)
+ACTIVATION_QUANT_OPS = {None: "gemm_4bit", "int8": "gemm_4bit_w4a8"}
+
+
+def check_activation_quant(activation_quant) -> str | None:
+    """None (activations as given, the default) or 'int8' (W4A8: activations
+    quantized to int8 per row in blocks, integer dot products); anything else
+    raises ValueError."""
+    if activation_quant is not None and (not isinstance(activation_quant, str) or activation_quant != "int8"):
+        raise ValueError(f"activation_quant must be None or 'int8', got {short_repr(activation_quant)}")
+    return activation_quant
+
+
+def w4a8_act_block(blocksize: int) -> int:
+    """W4A8's activation block for a weight block size: min(64, blocksize)."""
+    return int(native.lib().q4_w4a8_act_block(int(blocksize)))
+
+
+def check_w4a8_features(k: int, blocksize: int) -> None:
+    """W4A8 needs in_features to be a multiple of its activation block."""
+    ba = w4a8_act_block(blocksize)
+    if k % ba:
+        raise ValueError(
+            f"activation_quant='int8' needs in_features to be a multiple of {ba} "
+            f"(the activation block for blocksize {blocksize}), got in_features {k}"
+        )
+
+
 def check_quant_type(quant_type: str) -> int:
     """The kernel code of 'nf4' or 'fp4'; anything else (including a non-string) raises ValueError."""
     if not isinstance(quant_type, str) or quant_type not in QUANT_TYPE_CODES:

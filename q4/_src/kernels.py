@@ -253,10 +253,25 @@ def scales_args(absmax, nested_codes, nested_absmax, nested_absmax_size: int, ne
 
 
 def gemm_4bit_ptr(
-    x, x_dtype, m, n, k, packed, scales, blocksize, quant_type, bias, bias_dtype, out, out_dtype, stream=None
+    x,
+    x_dtype,
+    m,
+    n,
+    k,
+    packed,
+    scales,
+    blocksize,
+    quant_type,
+    bias,
+    bias_dtype,
+    out,
+    out_dtype,
+    stream=None,
+    activation_quant: str | None = None,
 ) -> None:
+    """gemm_4bit, or gemm_4bit_w4a8 with activation_quant='int8'."""
     _call(
-        "gemm_4bit",
+        formats.ACTIVATION_QUANT_OPS[activation_quant],
         stream,
         x,
         x_dtype,
@@ -335,15 +350,27 @@ def _matrix(a, what: str) -> np.ndarray:
     return a
 
 
-def gemm_4bit(x: np.ndarray, packed: np.ndarray, state, bias: np.ndarray | None = None, out_dtype=None) -> np.ndarray:
+def gemm_4bit(
+    x: np.ndarray,
+    packed: np.ndarray,
+    state,
+    bias: np.ndarray | None = None,
+    out_dtype=None,
+    activation_quant: str | None = None,
+) -> np.ndarray:
     """Y = x @ dequantize(W).T (+ bias) without materialising W; W's shape is state.shape = (n, k).
 
     Accumulates in fp32; the result has x's dtype unless out_dtype is given.
+    activation_quant='int8': W4A8 (x quantized to int8 per row in blocks of
+    min(64, blocksize), integer dot products; README "W4A8").
     """
+    formats.check_activation_quant(activation_quant)
     x = _matrix(x, "x")
     n, k = _weight_shape(state)
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features, the weight expects {k} (weight shape {(n, k)})")
+    if activation_quant is not None:
+        formats.check_w4a8_features(k, state.blocksize)
     packed = _packed(packed, n * k)
     args, keep = _state_scales(state)
     name = _out_name(x.dtype, out_dtype)
@@ -363,6 +390,7 @@ def gemm_4bit(x: np.ndarray, packed: np.ndarray, state, bias: np.ndarray | None 
         bcode,
         out.ctypes.data,
         formats.check_dtype_name(name),
+        activation_quant=activation_quant,
     )
     del keep
     return out

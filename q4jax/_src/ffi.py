@@ -171,10 +171,14 @@ def _matmul_fn(op: str, attr_items: tuple, out_dim: int, out_dtype: str):
     return call
 
 
-def gemm_4bit_raw(x, packed, absmax, nested_absmax, nested_offset, bias, n, k, blocksize, quant_type, out_dtype):
-    """y[..., n] = x[..., k] . dequantize(W)^T (+ bias), W [n, k] never materialised."""
+def gemm_4bit_raw(
+    x, packed, absmax, nested_absmax, nested_offset, bias, n, k, blocksize, quant_type, out_dtype, activation_quant=None
+):
+    """y[..., n] = x[..., k] . dequantize(W)^T (+ bias), W [n, k] never materialised
+    (activation_quant='int8': the W4A8 kernel, gemm_4bit_w4a8)."""
     a, na, no = weight_operands(absmax, nested_absmax, nested_offset)
-    fn = _gemm_fn("gemm_4bit", n, k, blocksize, quant_type, nested_absmax is not None, n, dtype_name(out_dtype))
+    op = formats.ACTIVATION_QUANT_OPS[activation_quant]
+    fn = _gemm_fn(op, n, k, blocksize, quant_type, nested_absmax is not None, n, dtype_name(out_dtype))
     return fn(x, packed, a, na, no, jnp.asarray(_EMPTY) if bias is None else bias)
 
 

@@ -162,6 +162,10 @@ class Linear4bit(_QuantLinear):
     device mesh and places it; the forward then runs
     ``q4jax.sharded_matmul_4bit``. ``state_dict`` always saves the canonical
     single-device format.
+
+    ``activation_quant='int8'`` (a runtime setting, not saved in checkpoints)
+    opts in to W4A8 (README "W4A8"), bit for bit q4torch's; not with a sharded
+    weight.
     """
 
     def __init__(
@@ -178,11 +182,15 @@ class Linear4bit(_QuantLinear):
         blocksize: int = 64,
         compress_statistics: bool = True,
         compute_dtype=None,
+        activation_quant: str | None = None,
         rngs: nnx.Rngs,
     ):
         formats.check_quant_type(quant_type)
         self.quant_type = quant_type
         self.blocksize = formats.check_blocksize(blocksize)
+        self.activation_quant = formats.check_activation_quant(activation_quant)
+        if activation_quant is not None:
+            formats.check_w4a8_features(in_features, self.blocksize)
         self.compress_statistics = bool(compress_statistics)
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         if self.compute_dtype is not None:
@@ -219,6 +227,10 @@ class Linear4bit(_QuantLinear):
         ``unnest`` stays decoded (and is saved so by ``state_dict``)."""
         if sharding is not None and not isinstance(sharding, LinearSharding):
             raise TypeError(f"sharding must be a q4jax.LinearSharding or None, got {type(sharding).__name__}")
+        if sharding is not None and getattr(self, "activation_quant", None) is not None:
+            raise ValueError(
+                "a W4A8 layer (activation_quant='int8') cannot be sharded; set activation_quant=None first"
+            )
         packed, state = self._canonical()
         if sharding is not None:
             packed, state = shard_4bit(packed, state, sharding)
@@ -241,6 +253,7 @@ class Linear4bit(_QuantLinear):
         blocksize: int = 64,
         compress_statistics: bool = True,
         compute_dtype=None,
+        activation_quant: str | None = None,
     ) -> Linear4bit:
         """Quantize an nnx.Linear (its kernel [in, out] becomes W = kernel.T);
         the bias is copied as a new nnx.Param. The Linear is not modified."""
@@ -250,6 +263,7 @@ class Linear4bit(_QuantLinear):
             blocksize=blocksize,
             compress_statistics=compress_statistics,
             compute_dtype=compute_dtype,
+            activation_quant=activation_quant,
             rngs=nnx.Rngs(0),
         )
 
@@ -261,7 +275,7 @@ class Linear4bit(_QuantLinear):
         bias = None if self.bias is None else self.bias.get_value().astype(compute)
         packed, state = self.weight.get_value(), self.quant_state.get_value()
         if self.sharding is None:
-            y = matmul_4bit(x.astype(compute), packed, state, bias)
+            y = matmul_4bit(x.astype(compute), packed, state, bias, getattr(self, "activation_quant", None))
         else:
             y = sharded_matmul_4bit(x.astype(compute), packed, state, self.sharding, bias)
         return y.astype(out)

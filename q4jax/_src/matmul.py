@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from q4._src import formats
 from q4jax._src import ffi
 from q4jax._src.quant import QuantState, check_state
 
@@ -30,7 +31,7 @@ def check_matmul_4bit(x, packed, state: QuantState, bias) -> None:
         ffi.dtype_name(bias.dtype)
 
 
-def _forward(x, packed, state, bias):
+def _forward(x, packed, state, bias, activation_quant):
     n, k = state.shape
     return ffi.gemm_4bit_raw(
         x,
@@ -44,23 +45,26 @@ def _forward(x, packed, state, bias):
         state.blocksize,
         state.quant_type,
         x.dtype,
+        activation_quant,
     )
 
 
-@jax.custom_vjp
-def _matmul_4bit(x, packed, state, bias):
-    return _forward(x, packed, state, bias)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _matmul_4bit(x, packed, state, bias, activation_quant):
+    return _forward(x, packed, state, bias, activation_quant)
 
 
-def _matmul_4bit_fwd(x, packed, state, bias):
+def _matmul_4bit_fwd(x, packed, state, bias, activation_quant):
     """Residuals: (packed, state, bias-is-present marker, x dtype) — the packed
     weight and its state, never the dequantized weight and never a value
     captured from Python, so remat / scan recompute uses the weight they see."""
-    y = _forward(x, packed, state, bias)
+    y = _forward(x, packed, state, bias, activation_quant)
     return y, (packed, state, None if bias is None else jnp.zeros((), bias.dtype), jnp.zeros((), x.dtype))
 
 
-def _matmul_4bit_bwd(res, g):
+def _matmul_4bit_bwd(activation_quant, res, g):
+    # W4A8's gradient is the exact one of x . dequantize(W)^T (straight through
+    # the activation rounding): the same input-gradient kernel
     packed, state, bias_marker, x_marker = res
     n, k = state.shape
     dx = ffi.gemm_4bit_grad_input_raw(
@@ -86,16 +90,30 @@ def _matmul_4bit_bwd(res, g):
 _matmul_4bit.defvjp(_matmul_4bit_fwd, _matmul_4bit_bwd)
 
 
-def matmul_4bit(x: jax.Array, packed: jax.Array, state: QuantState, bias: jax.Array | None = None) -> jax.Array:
+def matmul_4bit(
+    x: jax.Array,
+    packed: jax.Array,
+    state: QuantState,
+    bias: jax.Array | None = None,
+    activation_quant: str | None = None,
+) -> jax.Array:
     """y = x . dequantize(packed, state)^T (+ bias), for x [..., in_features].
 
     The weight [out_features, in_features] is used through the fused kernels in
     both directions; gradients flow to x and bias (the quantized weight is
     frozen). Works under jit, vmap (over x, or over stacked weights), grad,
     jax.checkpoint and lax.scan.
+
+    activation_quant='int8' (opt-in W4A8, the kernel q4torch runs, bit for
+    bit): x quantized to int8 per row in blocks of min(64, blocksize), integer
+    dot products (README "W4A8"); in_features must be a multiple of the block.
+    The gradient is the exact one of x . dequantize(W)^T.
     """
+    formats.check_activation_quant(activation_quant)
     check_matmul_4bit(x, packed, state, bias)
-    return _matmul_4bit(x, packed, state, bias)
+    if activation_quant is not None:
+        formats.check_w4a8_features(state.shape[1], state.blocksize)
+    return _matmul_4bit(x, packed, state, bias, activation_quant)
 
 
 # ------------------------------------------------------------------ 8-bit

@@ -73,6 +73,7 @@ def quantize_model(
     compute_dtype=None,
     threshold: float = 0.0,
     skip: tuple[str, ...] = ("lm_head",),
+    activation_quant: str | None = None,
 ) -> nnx.Module:
     """Replace every nnx.Linear below ``module`` in place with a Linear4bit
     (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
@@ -80,10 +81,15 @@ def quantize_model(
     A Linear whose dotted path (torch-style, e.g. ``layers.0.attn.q``) equals an
     entry of ``skip`` or has it as one of its components is left dense. A Linear
     reachable by several paths is replaced by one shared quantized layer. Each
-    replacement is logged on the "q4jax" logger (INFO).
+    replacement is logged on the "q4jax" logger (INFO). ``activation_quant='int8'``
+    makes the 4-bit layers W4A8 (README "W4A8"; every replaced layer's
+    in_features must be a multiple of its block).
     """
     check_graph_root(module, "quantize_model")
     formats.check_layer_type(quant_type)
+    formats.check_activation_quant(activation_quant)
+    if quant_type == "int8" and activation_quant is not None:
+        raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
     if isinstance(module, nnx.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
     if quant_type != "int8":
@@ -102,12 +108,18 @@ def quantize_model(
             if quant_type == "int8":
                 new = Linear8bit.from_linear(child, threshold=threshold)
             else:
+                if activation_quant is not None:
+                    try:
+                        formats.check_w4a8_features(child.in_features, blocksize)
+                    except ValueError as e:
+                        raise ValueError(f"{name}: {e}; skip it (skip=...) or leave activation_quant unset") from None
                 new = Linear4bit.from_linear(
                     child,
                     quant_type=quant_type,
                     blocksize=blocksize,
                     compress_statistics=compress_statistics,
                     compute_dtype=compute_dtype,
+                    activation_quant=activation_quant,
                 )
             replaced[id(child)] = new
         set_child(parent, key, new)

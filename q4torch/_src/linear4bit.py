@@ -270,7 +270,9 @@ class Linear4bit(nn.Linear):
     Quantization happens on the first move to a device (``.to("cpu")``) or
     with :meth:`quantize`. The forward runs the fused kernel in the input's
     dtype (or ``compute_dtype`` when given) and returns the input's dtype;
-    gradients flow to the input and the bias.
+    gradients flow to the input and the bias. ``activation_quant='int8'``
+    (keyword-only, a runtime setting, not saved in checkpoints) opts in to
+    W4A8: activations quantized to int8, integer dot products (README "W4A8").
     """
 
     quant_state: F.QuantState | None
@@ -285,8 +287,11 @@ class Linear4bit(nn.Linear):
         quant_type: str = "fp4",
         quant_storage: torch.dtype = torch.uint8,
         device=None,
+        *,
+        activation_quant: str | None = None,
     ):
         super().__init__(input_features, output_features, bias, device)
+        self.activation_quant = formats.check_activation_quant(activation_quant)
         self.weight = Params4bit(
             self.weight.data,
             requires_grad=False,
@@ -298,6 +303,8 @@ class Linear4bit(nn.Linear):
         self.compute_dtype = compute_dtype
         self.quant_state = None
         self.quant_storage = quant_storage
+        if activation_quant is not None:
+            formats.check_w4a8_features(input_features, self.weight.blocksize)
 
     def quantize(self) -> Linear4bit:
         """Quantize the weight now, on its current device (no-op if quantized)."""
@@ -360,7 +367,8 @@ class Linear4bit(nn.Linear):
             raise ValueError(f"input has {x.shape[-1]} features, this layer expects in_features={self.in_features}")
         compute = self.compute_dtype if self.compute_dtype is not None else x.dtype
         bias = None if self.bias is None else self.bias.to(compute)  # a copy: the parameter keeps its dtype
-        y = F.matmul_4bit(x.to(compute), weight, quant_state=quant_state, bias=bias)
+        activation_quant = getattr(self, "activation_quant", None)  # (modules unpickled from older versions)
+        y = F.matmul_4bit(x.to(compute), weight, quant_state=quant_state, bias=bias, activation_quant=activation_quant)
         return y.to(x.dtype)
 
     # -- checkpoints
@@ -458,6 +466,8 @@ class _FixedQuantType(Linear4bit):
         compress_statistics=True,
         quant_storage=torch.uint8,
         device=None,
+        *,
+        activation_quant=None,
     ):
         super().__init__(
             input_features,
@@ -468,6 +478,7 @@ class _FixedQuantType(Linear4bit):
             self.QUANT_TYPE,
             quant_storage,
             device,
+            activation_quant=activation_quant,
         )
 
 

@@ -283,10 +283,11 @@ def weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, q
     )
 
 
-def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias) -> torch.Tensor:
-    """q4::gemm_4bit's work for a packed weight whose C ABI arguments (packed_ptr,
-    scales from weight_args) are already validated: the input checks, the
-    result and the kernel call (CPU, or CUDA on x's stream)."""
+def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias, activation_quant=None) -> torch.Tensor:
+    """q4::gemm_4bit's (activation_quant='int8': q4::gemm_4bit_w4a8's) work for
+    a packed weight whose C ABI arguments (packed_ptr, scales from weight_args)
+    are already validated: the input checks, the result and the kernel call
+    (CPU, or CUDA on x's stream)."""
     xcode = dtype_code(x.dtype, "gemm_4bit input")
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(
@@ -294,6 +295,8 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias) -> 
         )
     if x.numel() == 0:
         raise ValueError(f"empty input (shape {tuple(x.shape)})")
+    if activation_quant is not None:
+        formats.check_w4a8_features(k, blocksize)
     bias, b, bcode = _bias_arg(bias, n)
     x2 = x.contiguous()
     out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
@@ -312,6 +315,7 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias) -> 
         out.data_ptr(),
         xcode,
         _stream(x),
+        activation_quant,
     )
     return out
 
@@ -340,6 +344,35 @@ def gemm_4bit(
 def _(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias):
     if x.shape[-1] != k:
         raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    return x.new_empty(x.shape[:-1] + (n,))
+
+
+@torch.library.custom_op("q4::gemm_4bit_w4a8", mutates_args=(), device_types=("cpu", "cuda"))
+def gemm_4bit_w4a8(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    nested_absmax: torch.Tensor | None,
+    nested_offset: torch.Tensor | None,
+    n: int,
+    k: int,
+    blocksize: int,
+    quant_type: str,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """gemm_4bit with x quantized to int8 per row in blocks (W4A8, q4/w4a8.h);
+    its gradient is gemm_4bit's (straight through the activation rounding)."""
+    packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
+    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
+    scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias, "int8")
+
+
+@gemm_4bit_w4a8.register_fake
+def _(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias):
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    formats.check_w4a8_features(k, blocksize)
     return x.new_empty(x.shape[:-1] + (n,))
 
 
@@ -408,6 +441,7 @@ def _gemm_backward(ctx, grad):
 
 
 gemm_4bit.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+gemm_4bit_w4a8.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
 
 
 # ------------------------------------------------------------------ LLM.int8

@@ -25,7 +25,9 @@ def _skipped(name: str, skip) -> bool:
     return any(fnmatch.fnmatchcase(name, pat) or fnmatch.fnmatchcase(last, pat) for pat in skip)
 
 
-def _quantized(linear: nn.Linear, quant_type, compute_dtype, blocksize, compress_statistics, threshold) -> nn.Module:
+def _quantized(
+    linear: nn.Linear, quant_type, compute_dtype, blocksize, compress_statistics, threshold, activation_quant=None
+) -> nn.Module:
     from q4torch.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
 
     device = linear.weight.device
@@ -51,6 +53,7 @@ def _quantized(linear: nn.Linear, quant_type, compute_dtype, blocksize, compress
             quant_type=quant_type,
             device="meta",
         )
+        new4.activation_quant = activation_quant
         new.weight = Params4bit(
             weight.clone(),
             requires_grad=False,
@@ -73,6 +76,7 @@ def replace_linear(
     compress_statistics: bool = True,
     threshold: float = 0.0,
     skip=("lm_head",),
+    activation_quant: str | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` in place by a quantized layer
     (``Linear4bit`` for 'nf4'/'fp4', ``Linear8bitLt`` for 'int8'), keeping its
@@ -82,10 +86,15 @@ def replace_linear(
     dotted name and the last component). A module registered under several
     names (tied) is replaced once, by one shared quantized layer. What was
     replaced is logged (logger "q4torch", INFO); returns ``model``.
+    ``activation_quant='int8'`` makes the 4-bit layers W4A8 (README "W4A8";
+    every replaced layer's in_features must be a multiple of its block).
     """
     formats.check_layer_type(quant_type)
+    formats.check_activation_quant(activation_quant)
     if quant_type != "int8":
         q4.check_blocksize(blocksize)
+    elif activation_quant is not None:
+        raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
     if isinstance(skip, str):
         skip = (skip,)
     replaced: dict[int, nn.Module] = {}
@@ -97,7 +106,14 @@ def replace_linear(
             if type(child) is not nn.Linear or _skipped(name, skip):
                 continue
             if id(child) not in replaced:
-                new = _quantized(child, quant_type, compute_dtype, blocksize, compress_statistics, threshold)
+                if activation_quant is not None:
+                    try:
+                        formats.check_w4a8_features(child.in_features, blocksize)
+                    except ValueError as e:
+                        raise ValueError(f"{name}: {e}; skip it (skip=...) or leave activation_quant unset") from None
+                new = _quantized(
+                    child, quant_type, compute_dtype, blocksize, compress_statistics, threshold, activation_quant
+                )
                 replaced[id(child)] = new
                 before += child.weight.numel() * child.weight.element_size()
                 after += sum(t.numel() * t.element_size() for t in new.state_dict().values())

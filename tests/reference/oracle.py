@@ -307,3 +307,57 @@ def quantize_nested(absmax: np.ndarray, code: np.ndarray | None = None, threads:
         centred = (absmax - offset).astype(F32)
     codes, absmax2 = quantize_blockwise(centred, 256, code)
     return codes, absmax2, offset
+
+
+# ------------------------------------------------------------------ W4A8
+# gemm_4bit_w4a8, from its definition (README "W4A8", kernels/include/q4/w4a8.h):
+# activations quantized to int8 per row in blocks of Ba = min(64, blocksize),
+# codes as int8 values round(S * table) (S = 112 for NF4, 120 for FP4, halves
+# away from zero), exact integer block sums, then
+# acc = acc + fp32(fp32(isum) * fp32(sx * sw)) block by block, + bias.
+
+W4A8_TABLE_SCALE = {"nf4": F32(112), "fp4": F32(120)}
+
+
+def w4a8_table(quant_type: str) -> np.ndarray:
+    s = TABLES[quant_type].astype(np.float64) * np.float64(W4A8_TABLE_SCALE[quant_type])
+    return (np.sign(s) * np.floor(np.abs(s) + 0.5)).astype(np.int64)
+
+
+def w4a8_activations(x: np.ndarray, ba: int) -> tuple[np.ndarray, np.ndarray]:
+    """(q int64 [m, k], sx fp32 [m, k // ba]) of fp32 x [m, k]."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // ba, ba).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        amax = np.max(np.abs(blocks), axis=2)  # NaN if a value is NaN
+        nonfinite = ~np.isfinite(amax)
+        inv = np.where(nonfinite | (amax == 0), F32(0), F32(127) / np.where(amax == 0, F32(1), amax)).astype(F32)
+    tiny = ~np.isfinite(inv)  # 127 / amax overflows
+    inv = np.where(tiny, F32(0), inv).astype(F32)
+    sx = np.where(nonfinite, F32(np.nan), np.where(tiny | (amax == 0), F32(0), amax / F32(127))).astype(F32)
+    with np.errstate(invalid="ignore"):
+        q = np.rint(blocks * inv[:, :, None]).astype(F32)
+    q = np.where(inv[:, :, None] == 0, F32(0), q).astype(np.int64)
+    return q.reshape(m, k), sx
+
+
+def gemm_4bit_w4a8(x, packed, absmax, n: int, k: int, blocksize: int, quant_type: str, bias=None) -> np.ndarray:
+    """fp32 Y [m, n] (before the rounding to the output dtype) for fp32 x [m, k]
+    and a 4-bit W [n, k] (packed, fp32 absmax per block)."""
+    ba = min(64, blocksize)
+    x = np.asarray(x, F32)
+    m = x.shape[0]
+    q, sx = w4a8_activations(x, ba)
+    w8 = w4a8_table(quant_type)[unpack(packed, n * k)].reshape(n, k)
+    nb = k // ba
+    first = (np.arange(n)[:, None] * k + np.arange(nb)[None, :] * ba) // blocksize
+    sw = (np.asarray(absmax, F32)[first] / W4A8_TABLE_SCALE[quant_type]).astype(F32)  # [n, nb]
+    acc = np.zeros((m, n), F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(nb):
+            isum = q[:, b * ba : (b + 1) * ba] @ w8[:, b * ba : (b + 1) * ba].T  # exact int64
+            s = (sx[:, b, None] * sw[None, :, b]).astype(F32)
+            acc = (acc + (isum.astype(F32) * s).astype(F32)).astype(F32)
+        if bias is not None:
+            acc = (acc + np.asarray(bias, F32)[None, :]).astype(F32)
+    return acc

@@ -201,6 +201,7 @@ struct Int8GradInputParams {
 
 namespace cpu {
 Status gemm_4bit(const Gemm4bitParams& p);
+Status gemm_4bit_w4a8(const Gemm4bitParams& p);  // contract in q4/w4a8.h
 Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p);
 Status int8_quantize_rows(const Int8QuantizeRowsParams& p);
 Status int8_linear(const Int8LinearParams& p);
@@ -225,6 +226,7 @@ Status quantize_nested(const QuantizeNestedParams& p, void* stream);
 // as a buffer); offset == nullptr means no offset.
 Status dequantize_blockwise_device_offset(const DequantizeBlockwiseParams& p, const float* offset, void* stream);
 Status gemm_4bit(const Gemm4bitParams& p, void* stream);
+Status gemm_4bit_w4a8(const Gemm4bitParams& p, void* stream);
 Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p, void* stream);
 Status int8_quantize_rows(const Int8QuantizeRowsParams& p, void* stream);
 Status int8_linear(const Int8LinearParams& p, void* stream);
@@ -234,6 +236,8 @@ Status int8_grad_input(const Int8GradInputParams& p, void* stream);
 
 // Argument checks shared by the CPU and CUDA ops (kernels/validate.cc).
 Status validate(const Gemm4bitParams& p);
+// validate(p), and k a multiple of W4A8's activation block (q4/w4a8.h)
+Status validate_w4a8(const Gemm4bitParams& p);
 Status validate(const Gemm4bitGradInputParams& p);
 Status validate(const Int8QuantizeRowsParams& p);
 Status validate(const Int8LinearParams& p);

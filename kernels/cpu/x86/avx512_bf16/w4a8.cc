@@ -1,0 +1,371 @@
+// W4A8 with AVX512_VNNI (the contract is q4/w4a8.h; the scalar reference is
+// cpu/w4a8.cc, and both produce the same bits).
+//
+// Lanes are 16 rows of X. X is quantized once per call into panels
+// [group of 16 rows][k/4][16 rows][4 bytes] holding q + 128 (unsigned, for
+// vpdpbusd's unsigned operand) and the block scales sx [group][block][16].
+// Weight rows are decoded NR at a time into int8 table values (natural order,
+// L1-resident) with, per activation block, corr = -128 * sum w8, so that an
+// accumulator started at corr ends the block at sum (q + 128) * w8 - 128 *
+// sum w8 = isum exactly. A register tile of MR groups x NR weight rows takes,
+// per 4 columns, MR panel loads and MR * NR vpdpbusd whose signed operand is
+// the weight dword broadcast from memory; after each block every accumulator
+// is converted and added into its fp32 sum in the contract's order.
+//
+// Per thread: for each block of X groups that fits L2 (kPanelBytes), each
+// chunk of NR weight rows is decoded and swept by every tile of that block.
+#include "q4/w4a8.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "../../dispatch.h"
+#include "../../parallel.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c")
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (see gemm4.cc).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include "../avx512/scale_decoder.h"
+
+namespace q4 {
+namespace cpu {
+namespace avx512_bf16 {
+namespace {
+
+using gemm4::kSlotInput;
+using gemm4::kSlotPanels;
+using gemm4::kSlotRow;
+using gemm4::log2_exact;
+using gemm4::Scales;
+
+constexpr int64_t kPanelBytes = int64_t(256) << 10;  // X panel bytes per pass (L2)
+constexpr int64_t kMaxPassGroups = 16;               // X groups of 16 rows per pass, at most
+constexpr int64_t kKc = 1024;                        // columns per decoded weight strip (L1)
+constexpr int64_t kMaxBlocks = kKc / 32;             // activation blocks per strip, at most
+constexpr int kTileAcc = 24;                         // int32 accumulators per register tile
+
+template <typename T>
+T* aligned_scratch(int slot, int64_t bytes) {
+  float* p = scratch(slot, (bytes + 3) / 4 + 16);
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
+// acc + the 4-byte dot products of unsigned a and signed b per lane (asm: see
+// int8.cc). b is a register: with the broadcast dword as a memory operand
+// vpdpbusd runs at a third of the rate here (measured, Zen 5).
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %[b], %[a], %[acc]" : [acc] "+v"(acc) : [a] "v"(a), [b] "v"(b));
+  return acc;
+}
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const f16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const bf16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+struct Panels {
+  uint8_t* xp;  // [groups][steps][16][4]
+  float* sx;    // [groups][nb][16]
+  int64_t groups, steps, nb;
+};
+
+// Rows [r0, r1) of x into the panels (ba = 32 or 64: 2 or 4 vectors a block).
+template <typename T>
+void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, const Panels& pn) {
+  const int nv = int(ba / 16);
+  const __m128i flip = _mm_set1_epi8(char(0x80));
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t g = r / 16, l = r % 16;
+    uint8_t* dst = pn.xp + g * pn.steps * 64 + l * 4;
+    const T* row = x + r * k;
+    for (int64_t b = 0; b < pn.nb; ++b) {
+      __m512 v[4];
+      __m512 mx = _mm512_setzero_ps();
+      __mmask16 nan = 0;
+      for (int i = 0; i < nv; ++i) {
+        v[i] = load16(row + b * ba + 16 * i);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
+        nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
+      }
+      const float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
+      const w4a8::ActScale s = w4a8::act_scale(amax);
+      pn.sx[(g * pn.nb + b) * 16 + l] = s.sx;
+      const __m512 inv = _mm512_set1_ps(s.inv);
+      for (int i = 0; i < nv; ++i) {
+        __m128i q = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)));
+        if (s.inv == 0.0f) q = _mm_setzero_si128();
+        q = _mm_xor_si128(q, flip);
+        uint8_t* d = dst + (b * ba / 4 + 4 * i) * 64;
+        const uint32_t d0 = uint32_t(_mm_cvtsi128_si32(q)), d1 = uint32_t(_mm_extract_epi32(q, 1)),
+                       d2 = uint32_t(_mm_extract_epi32(q, 2)), d3 = uint32_t(_mm_extract_epi32(q, 3));
+        std::memcpy(d, &d0, 4);
+        std::memcpy(d + 64, &d1, 4);
+        std::memcpy(d + 128, &d2, 4);
+        std::memcpy(d + 192, &d3, 4);
+      }
+    }
+  }
+}
+
+// Rows of the last group past m: q = 0 (byte 128), sx = 0.
+void pad_rows(int64_t m, const Panels& pn) {
+  for (int64_t r = m; r < pn.groups * 16; ++r) {
+    const int64_t g = r / 16, l = r % 16;
+    for (int64_t t = 0; t < pn.steps; ++t) std::memset(pn.xp + (g * pn.steps + t) * 64 + l * 4, 0x80, 4);
+    for (int64_t b = 0; b < pn.nb; ++b) pn.sx[(g * pn.nb + b) * 16 + l] = 0.0f;
+  }
+}
+
+// r[i] = the sum of the 16 lanes of v[i] (int32, modulo 2^32).
+inline __m512i pair_sums(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __m512i quad_sums(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+inline __m512i lane_pairs(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+// After three levels: [v0..v3 lanes 0-7, v0..v3 lanes 8-15, v4..v7 lanes 0-7, v4..v7 lanes 8-15].
+inline __m512i half_sums8(const __m512i* v) {
+  const __m512i a = quad_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
+  const __m512i b = quad_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
+  return lane_pairs(a, b);
+}
+
+// Decodes columns [c0, c0 + len) of weight rows [n0, n0 + rows) (c0 and len
+// multiples of ba, len <= kKc) into w8 [rows][kKc] (int8 table values), corr
+// [rows][kKc / 32] (-128 * each activation block's sum) and sw [rows][kKc / 32]
+// (block scale / S, one per activation block); block_scales: room for
+// kKc / 32 + 2 floats.
+template <QuantType QT>
+void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0, int rows, int64_t c0, int64_t len,
+                 int64_t ba, int8_t* w8, int32_t* corr, float* sw, float* block_scales) {
+  alignas(16) int8_t t8[16];
+  for (int i = 0; i < 16; ++i) t8[i] = w4a8::table8<QT>(i);
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
+  const __m512i low4 = _mm512_set1_epi16(0x0f);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i neg128 = _mm512_set1_epi32(-128);
+  const int64_t k = p.k, nb = len / ba, chunks = ceil_div(len, int64_t(64));
+  const int shift = log2_exact(p.blocksize);
+  const float table_scale = w4a8::table_scale<QT>();
+  for (int j = 0; j < rows; ++j) {
+    const int64_t f0 = (n0 + j) * k + c0;  // even: k and c0 are
+    const uint8_t* src = p.packed + f0 / 2;
+    int8_t* dst = w8 + j * kKc;
+    int32_t* cj = corr + j * kMaxBlocks;
+    __m512i sums[kKc / 64];
+    for (int64_t c = 0; c < kKc / 64; ++c) {
+      if (c >= chunks) {
+        sums[c] = _mm512_setzero_si512();
+        continue;
+      }
+      const bool whole = 64 * c + 64 <= len;  // else 32 codes at the end
+      const __mmask64 em = whole ? ~__mmask64(0) : __mmask64(0xffffffffu);
+      const __m256i bytes = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * c))
+                                  : _mm256_maskz_loadu_epi8(0xffff, src + 32 * c);
+      const __m512i v = _mm512_cvtepu8_epi16(bytes);
+      const __m512i idx = _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_slli_epi16(_mm512_and_si512(v, low4), 8));
+      const __m512i w = _mm512_maskz_shuffle_epi8(em, table, idx);
+      _mm512_store_si512(dst + 64 * c, w);
+      sums[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
+    }
+    // activation block sums: kKc / 64 == 16 chunks, one reduction
+    static_assert(kKc == 1024, "one 16-vector reduction per decoded strip");
+    const __m512i h0 = half_sums8(sums), h1 = half_sums8(sums + 8);
+    if (ba == 64) {  // lane i = chunk i
+      _mm512_storeu_si512(cj, _mm512_mullo_epi32(lane_pairs(h0, h1), neg128));
+    } else {  // ba == 32: two blocks a chunk; h0 lane 4q + i = chunk 4(q/2) + i, half q % 2
+      const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+      _mm512_storeu_si512(cj, _mm512_mullo_epi32(_mm512_permutexvar_epi32(order, h0), neg128));
+      _mm512_storeu_si512(cj + 16, _mm512_mullo_epi32(_mm512_permutexvar_epi32(order, h1), neg128));
+    }
+    // sw: the blocks' scales (decoded 16 at a time), one per activation block, / S
+    const int64_t first = f0 >> shift, last = (f0 + len - 1) >> shift;
+    scales.decode(first, last + 1, block_scales);
+    float* sj = sw + j * kMaxBlocks;
+    for (int64_t b = 0; b < nb; ++b) sj[b] = block_scales[((f0 + b * ba) >> shift) - first];
+    int64_t b = 0;
+    for (; b + 16 <= nb; b += 16)
+      _mm512_storeu_ps(sj + b, _mm512_div_ps(_mm512_loadu_ps(sj + b), _mm512_set1_ps(table_scale)));
+    for (; b < nb; ++b) sj[b] = sj[b] / table_scale;
+  }
+}
+
+struct Strip {  // a decoded strip of weight rows (decode_rows)
+  const int8_t* w8;
+  const int32_t* corr;
+  const float* sw;
+  int64_t t0;      // first step (4 columns) of the strip in X's panels
+  int64_t b0;      // first activation block of the strip
+  int64_t nb;      // activation blocks in the strip
+  int64_t bsteps;  // steps per activation block
+};
+
+// res[g * NR + j] += the strip's fp32 sums of X group g0 + g by strip row j
+// (16 lanes: the group's rows), in block order. The sums live in res (L1),
+// so that all registers but the MR panel vectors and one broadcast hold int32
+// accumulators: MR * NR = 24 chains cover vpdpbusd's latency.
+template <int MR, int NR>
+void tile(const Panels& pn, int64_t g0, const Strip& w, float (*res)[16]) {
+  const uint8_t* xg = pn.xp + (g0 * pn.steps + w.t0) * 64;
+  const int64_t gstride = pn.steps * 64;
+  for (int64_t b = 0; b < w.nb; ++b) {
+    __m512i acc[MR][NR];
+#pragma GCC unroll 24
+    for (int j = 0; j < NR; ++j) {
+      const __m512i c = _mm512_set1_epi32(w.corr[j * kMaxBlocks + b]);
+#pragma GCC unroll 2
+      for (int g = 0; g < MR; ++g) acc[g][j] = c;
+    }
+    const int8_t* wb = w.w8 + b * w.bsteps * 4;
+    const uint8_t* xb = xg + b * w.bsteps * 64;
+    for (int64_t t = 0; t < w.bsteps; ++t) {
+      __m512i xv[MR];
+#pragma GCC unroll 2
+      for (int g = 0; g < MR; ++g) xv[g] = _mm512_load_si512(xb + g * gstride + t * 64);
+#pragma GCC unroll 24
+      for (int j = 0; j < NR; ++j) {
+        int32_t wd;
+        std::memcpy(&wd, wb + j * kKc + 4 * t, 4);
+        const __m512i wv = _mm512_set1_epi32(wd);
+#pragma GCC unroll 2
+        for (int g = 0; g < MR; ++g) acc[g][j] = dpbusd(acc[g][j], xv[g], wv);
+      }
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < MR; ++g) {
+      const __m512 sxv = _mm512_loadu_ps(pn.sx + ((g0 + g) * pn.nb + w.b0 + b) * 16);
+#pragma GCC unroll 24
+      for (int j = 0; j < NR; ++j) {
+        const __m512 s = _mm512_mul_ps(sxv, _mm512_set1_ps(w.sw[j * kMaxBlocks + b]));
+        float* r = res[g * NR + j];
+        _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(r), _mm512_mul_ps(_mm512_cvtepi32_ps(acc[g][j]), s)));
+      }
+    }
+  }
+}
+
+// tile with NR = nr (1..NR) chosen at run time
+template <int MR, int NR>
+void tile_any(int nr, const Panels& pn, int64_t g0, const Strip& w, float (*res)[16]) {
+  if constexpr (NR > 1) {
+    if (nr < NR) return tile_any<MR, NR - 1>(nr, pn, g0, w, res);
+  }
+  tile<MR, NR>(pn, g0, w, res);
+}
+
+template <QuantType QT>
+void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba) {
+  const int mr = pn.groups >= 2 ? 2 : 1;
+  const int nr_max = kTileAcc / mr;
+  const int64_t chunks = ceil_div(p.n, int64_t(nr_max));
+  const int64_t per_pass =
+      std::max<int64_t>(mr, std::min<int64_t>(kMaxPassGroups, kPanelBytes / (pn.steps * 64)) / mr * mr);
+  parallel_for(chunks, 1, [&](int64_t c0, int64_t c1) {
+    const ScaleDecoder scales(p.scales);
+    // per thread: the strip (w8, corr, sw), block scales, the pass's fp32 sums
+    const int64_t strip_bytes = kTileAcc * (kKc + 8 * kMaxBlocks);
+    char* buf =
+        aligned_scratch<char>(kSlotRow, strip_bytes + 4 * (kMaxBlocks + 2) + 4 * kMaxPassGroups * kTileAcc * 16 + 128);
+    int8_t* w8 = reinterpret_cast<int8_t*>(buf);
+    int32_t* corr = reinterpret_cast<int32_t*>(buf + kTileAcc * kKc);
+    float* sw = reinterpret_cast<float*>(corr + kTileAcc * kMaxBlocks);
+    float* block_scales = sw + kTileAcc * kMaxBlocks;
+    auto* res = reinterpret_cast<float (*)[16]>((reinterpret_cast<uintptr_t>(block_scales + kMaxBlocks + 2) + 63) &
+                                                ~uintptr_t(63));
+    Strip w;
+    w.w8 = w8;
+    w.corr = corr;
+    w.sw = sw;
+    w.bsteps = ba / 4;
+    for (int64_t gb = 0; gb < pn.groups; gb += per_pass) {
+      const int64_t ge = std::min(pn.groups, gb + per_pass);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t n0 = c * nr_max;
+        const int nr = int(std::min<int64_t>(nr_max, p.n - n0));
+        std::memset(res, 0, size_t((ge - gb) * kTileAcc * 16) * sizeof(float));
+        for (int64_t k0 = 0; k0 < p.k; k0 += kKc) {
+          const int64_t len = std::min(kKc, p.k - k0);
+          decode_rows<QT>(p, scales, n0, nr, k0, len, ba, w8, corr, sw, block_scales);
+          w.t0 = k0 / 4;
+          w.b0 = k0 / ba;
+          w.nb = len / ba;
+          for (int64_t g = gb; g < ge; g += mr) {
+            float (*rg)[16] = res + (g - gb) * kTileAcc;
+            if (ge - g >= 2)
+              tile_any<2, kTileAcc / 2>(nr, pn, g, w, rg);
+            else if (mr == 2)
+              tile_any<1, kTileAcc / 2>(nr, pn, g, w, rg);
+            else
+              tile_any<1, kTileAcc>(nr, pn, g, w, rg);
+          }
+        }
+        for (int64_t g = gb; g < ge; ++g) {
+          // group g's sums: res[(g - gb) * kTileAcc + (g - g_pair) * nr + j], g_pair its tile's first group
+          const int64_t gp = gb + (g - gb) / mr * mr;
+          const float (*rt)[16] = res + (gp - gb) * kTileAcc + (g - gp) * nr;
+          for (int l = 0; l < 16; ++l) {
+            const int64_t row = g * 16 + l;
+            if (row >= p.m) break;
+            for (int j = 0; j < nr; ++j)
+              gemm4::store_out(p.out, p.out_dtype, row * p.n + n0 + j,
+                               rt[j][l] + gemm4::load_bias(p.bias, p.bias_dtype, n0 + j));
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool w4a8(const Gemm4bitParams& p, const Scales&) {
+  const int64_t ba = w4a8::act_block(p.blocksize);
+  if ((ba != 32 && ba != 64) || p.k % ba != 0) return false;
+  Panels pn;
+  pn.groups = ceil_div(p.m, int64_t(16));
+  pn.steps = p.k / 4;
+  pn.nb = p.k / ba;
+  pn.xp = aligned_scratch<uint8_t>(kSlotPanels, pn.groups * pn.steps * 64);
+  pn.sx = aligned_scratch<float>(kSlotInput, pn.groups * pn.nb * 16 * 4);
+  Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
+    parallel_for(p.m, 4,
+                 [&](int64_t r0, int64_t r1) { quantize_rows(static_cast<const T*>(p.x), r0, r1, p.k, ba, pn); });
+  });
+  pad_rows(p.m, pn);
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] { run<QT>(p, pn, ba); });
+  return true;
+}
+
+}  // namespace avx512_bf16
+}  // namespace cpu
+}  // namespace q4
+
+#pragma GCC diagnostic pop
+
+#else  // not x86: the level is never selected
+
+namespace q4 {
+namespace cpu {
+namespace avx512_bf16 {
+bool w4a8(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
+}  // namespace avx512_bf16
+}  // namespace cpu
+}  // namespace q4
+
+#endif
