@@ -57,7 +57,7 @@ void w4a8_scalar(const Gemm4bitParams& p, const int8_t* q, const float* sx, cons
         const uint8_t byte = p.packed[f >> 1];
         w8[c] = table[(f & 1) ? unpack_odd(byte) : unpack_even(byte)];
       }
-      for (int64_t b = 0; b < nb; ++b) sw[b] = scales((r * p.k + b * ba) >> shift) / w4a8::table_scale<QT>();
+      for (int64_t b = 0; b < nb; ++b) sw[b] = scales((r * p.k + b * ba) >> shift) * w4a8::inv_table_scale<QT>();
       const float bias = load_bias(p.bias, p.bias_dtype, r);
       for (int64_t m = 0; m < p.m; ++m) {
         float acc = 0.0f;

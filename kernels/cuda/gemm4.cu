@@ -557,7 +557,7 @@ namespace {
 //
 // The contract of q4/w4a8.h, one thread per activation block (quantization)
 // and one per output (the matmul): every operation is the contract's, in its
-// order, rounded explicitly (__fmul_rn / __fadd_rn / __fdiv_rn), so the
+// order, rounded explicitly (__fmul_rn / __fadd_rn), so the
 // result is the CPU's bit for bit. Simple, not tuned.
 
 template <typename T>
@@ -597,7 +597,7 @@ __global__ void w4a8_gemm_kernel(const int8_t* q, const float* sx, int64_t m, in
       const int8_t* qb = q + row * k + b * ba;
       int32_t isum = 0;
       for (int64_t j = 0; j < ba; ++j) isum += int32_t(qb[j]) * table8[nibble_at(packed, f0 + j)];
-      const float sw = __fdiv_rn(scales(f0 >> log2_bs), w4a8::table_scale<QT>());
+      const float sw = __fmul_rn(scales(f0 >> log2_bs), w4a8::inv_table_scale<QT>());
       acc = __fadd_rn(acc, __fmul_rn(float(isum), __fmul_rn(sx[row * nb + b], sw)));
     }
     const float bv = bias == nullptr ? 0.0f : load_any(bias, bias_dtype, r);

@@ -46,12 +46,16 @@ def run(x, packed, state, bias=None, out_dtype=None):
     return q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype, activation_quant="int8")
 
 
-# (m, n, k, blocksize): every tile shape and tail of the VNNI kernel (rows in
+# (m, n, k, blocksize): both paths of the VNNI kernel -- few rows (m <= 6,
+# 64-column activation blocks: 16 weight rows at a time) and tiles (rows in
 # groups of 16, tiles of 1 or 2 groups by 24 or 12 weight rows, strips of 1024
-# columns), activation blocks of 32 and 64, weight blocks straddling rows
+# columns) -- with their tails, activation blocks of 32 and 64, weight blocks
+# straddling rows
 SHAPES = [
     (1, 7, 64, 64),
     (3, 25, 128, 64),
+    (6, 40, 384, 256),
+    (2, 33, 1088, 128),
     (16, 24, 384, 256),
     (17, 13, 96, 32),
     (33, 50, 1088, 64),
@@ -78,9 +82,10 @@ def test_matches_oracle(level, shape, quant_type, nested, rng):
 @pytest.mark.parametrize("level", ["scalar", "avx512_bf16"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
-def test_dtypes(level, x_dtype, out_dtype, rng):
+@pytest.mark.parametrize("m", [2, 21])
+def test_dtypes(level, x_dtype, out_dtype, m, rng):
     packed, state, _ = quantized_weight(rng, 30, 256, 64, "nf4", True)
-    x = rng.standard_normal((21, 256)).astype(NP_DTYPE[x_dtype])
+    x = rng.standard_normal((m, 256)).astype(NP_DTYPE[x_dtype])
     bias = rng.standard_normal(30).astype(NP_DTYPE[x_dtype])
     with on_isa(level):
         got = run(x, packed, state, bias, out_dtype)
@@ -102,12 +107,13 @@ def test_many_rows_and_threads(rng):
 
 
 @pytest.mark.parametrize("level", ["scalar", "avx512_bf16"])
-def test_special_values(level, rng):
+@pytest.mark.parametrize("m", [6, 20])
+def test_special_values(level, m, rng):
     """A NaN or inf makes its output row NaN; a zero row gives the bias; a
     block below 127 / FLT_MAX's reach quantizes to zero; the other rows are
     the oracle's."""
     packed, state, _ = quantized_weight(rng, 20, 128, 64, "nf4", False)
-    x = rng.standard_normal((6, 128)).astype(np.float32)
+    x = rng.standard_normal((m, 128)).astype(np.float32)
     x[0, 5] = np.nan
     x[1, 70] = np.inf
     x[2] = 0.0

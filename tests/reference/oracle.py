@@ -313,7 +313,7 @@ def quantize_nested(absmax: np.ndarray, code: np.ndarray | None = None, threads:
 # gemm_4bit_w4a8, from its definition (README "W4A8", kernels/include/q4/w4a8.h):
 # activations quantized to int8 per row in blocks of Ba = min(64, blocksize),
 # codes as int8 values round(S * table) (S = 112 for NF4, 120 for FP4, halves
-# away from zero), exact integer block sums, then
+# away from zero), sw = absmax * fp32(1 / S), exact integer block sums, then
 # acc = acc + fp32(fp32(isum) * fp32(sx * sw)) block by block, + bias.
 
 W4A8_TABLE_SCALE = {"nf4": F32(112), "fp4": F32(120)}
@@ -351,7 +351,7 @@ def gemm_4bit_w4a8(x, packed, absmax, n: int, k: int, blocksize: int, quant_type
     w8 = w4a8_table(quant_type)[unpack(packed, n * k)].reshape(n, k)
     nb = k // ba
     first = (np.arange(n)[:, None] * k + np.arange(nb)[None, :] * ba) // blocksize
-    sw = (np.asarray(absmax, F32)[first] / W4A8_TABLE_SCALE[quant_type]).astype(F32)  # [n, nb]
+    sw = (np.asarray(absmax, F32)[first] * (F32(1) / W4A8_TABLE_SCALE[quant_type])).astype(F32)  # [n, nb]
     acc = np.zeros((m, n), F32)
     with np.errstate(invalid="ignore", over="ignore"):
         for b in range(nb):

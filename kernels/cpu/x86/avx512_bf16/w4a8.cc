@@ -4,16 +4,23 @@
 // Lanes are 16 rows of X. X is quantized once per call into panels
 // [group of 16 rows][k/4][16 rows][4 bytes] holding q + 128 (unsigned, for
 // vpdpbusd's unsigned operand) and the block scales sx [group][block][16].
-// Weight rows are decoded NR at a time into int8 table values (natural order,
-// L1-resident) with, per activation block, corr = -128 * sum w8, so that an
-// accumulator started at corr ends the block at sum (q + 128) * w8 - 128 *
-// sum w8 = isum exactly. A register tile of MR groups x NR weight rows takes,
-// per 4 columns, MR panel loads and MR * NR vpdpbusd whose signed operand is
-// the weight dword broadcast from memory; after each block every accumulator
-// is converted and added into its fp32 sum in the contract's order.
+// Within each activation block the columns are stored in "strip order": the
+// even columns, then the odd ones -- the order in which the weight's high and
+// low nibbles come out of one table lookup each, so decoding a weight strip
+// needs no interleave (the block sums are exact integers, so the order of
+// their terms changes nothing).
 //
-// Per thread: for each block of X groups that fits L2 (kPanelBytes), each
-// chunk of NR weight rows is decoded and swept by every tile of that block.
+// Weight rows are decoded in strips of kKc columns by up to 24 rows into int8
+// table values (L1) with, per activation block, corr = -128 * sum w8, so that
+// an accumulator started at corr ends the block at sum (q + 128) * w8 - 128 *
+// sum w8 = isum exactly. A register tile of MR groups x NR strip rows (MR * NR
+// = 24 int32 accumulators) takes, per 4 columns, MR panel loads, NR broadcast
+// weight dwords and MR * NR vpdpbusd; after each block every accumulator is
+// converted and added into its fp32 sum (in L1) in the contract's order.
+//
+// Per thread: for each pass of X groups that fits L2 (kPanelBytes), each
+// chunk of weight rows is decoded strip by strip and swept by every tile of
+// the pass.
 #include "q4/w4a8.h"
 
 #include <immintrin.h>
@@ -82,7 +89,38 @@ struct Panels {
   int64_t groups, steps, nb;
 };
 
-// Rows [r0, r1) of x into the panels (ba = 32 or 64: 2 or 4 vectors a block).
+// One activation block of `ba` (32 or 64) values at src: its q in strip
+// order (even columns, then odd ones) as nv = ba / 16 vectors of 16 int8,
+// and its sx.
+template <typename T>
+float quantize_block(const T* src, int nv, __m128i* q) {
+  __m512 v[4];
+  __m512 mx = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (int i = 0; i < nv; ++i) {
+    v[i] = load16(src + 16 * i);
+    mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
+    nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  if (nv == 4) {
+    const __m512 e0 = _mm512_permutex2var_ps(v[0], even, v[1]), e1 = _mm512_permutex2var_ps(v[2], even, v[3]);
+    const __m512 o0 = _mm512_permutex2var_ps(v[0], odd, v[1]), o1 = _mm512_permutex2var_ps(v[2], odd, v[3]);
+    v[0] = e0, v[1] = e1, v[2] = o0, v[3] = o1;
+  } else {
+    const __m512 e = _mm512_permutex2var_ps(v[0], even, v[1]), o = _mm512_permutex2var_ps(v[0], odd, v[1]);
+    v[0] = e, v[1] = o;
+  }
+  const float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
+  const w4a8::ActScale s = w4a8::act_scale(amax);
+  const __m512 inv = _mm512_set1_ps(s.inv);
+  for (int i = 0; i < nv; ++i)
+    q[i] = s.inv == 0.0f ? _mm_setzero_si128() : _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)));
+  return s.sx;
+}
+
+// Rows [r0, r1) of x into the panels (q + 128).
 template <typename T>
 void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, const Panels& pn) {
   const int nv = int(ba / 16);
@@ -92,22 +130,10 @@ void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, co
     uint8_t* dst = pn.xp + g * pn.steps * 64 + l * 4;
     const T* row = x + r * k;
     for (int64_t b = 0; b < pn.nb; ++b) {
-      __m512 v[4];
-      __m512 mx = _mm512_setzero_ps();
-      __mmask16 nan = 0;
+      __m128i qv[4];
+      pn.sx[(g * pn.nb + b) * 16 + l] = quantize_block(row + b * ba, nv, qv);
       for (int i = 0; i < nv; ++i) {
-        v[i] = load16(row + b * ba + 16 * i);
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(v[i]));
-        nan |= _mm512_cmp_ps_mask(v[i], v[i], _CMP_UNORD_Q);
-      }
-      const float amax = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(mx);
-      const w4a8::ActScale s = w4a8::act_scale(amax);
-      pn.sx[(g * pn.nb + b) * 16 + l] = s.sx;
-      const __m512 inv = _mm512_set1_ps(s.inv);
-      for (int i = 0; i < nv; ++i) {
-        __m128i q = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)));
-        if (s.inv == 0.0f) q = _mm_setzero_si128();
-        q = _mm_xor_si128(q, flip);
+        const __m128i q = _mm_xor_si128(qv[i], flip);
         uint8_t* d = dst + (b * ba / 4 + 4 * i) * 64;
         const uint32_t d0 = uint32_t(_mm_cvtsi128_si32(q)), d1 = uint32_t(_mm_extract_epi32(q, 1)),
                        d2 = uint32_t(_mm_extract_epi32(q, 2)), d3 = uint32_t(_mm_extract_epi32(q, 3));
@@ -157,32 +183,39 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
   alignas(16) int8_t t8[16];
   for (int i = 0; i < 16; ++i) t8[i] = w4a8::table8<QT>(i);
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
-  const __m512i low4 = _mm512_set1_epi16(0x0f);
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i neg128 = _mm512_set1_epi32(-128);
-  const int64_t k = p.k, nb = len / ba, chunks = ceil_div(len, int64_t(64));
+  const int64_t k = p.k, nb = len / ba;
   const int shift = log2_exact(p.blocksize);
-  const float table_scale = w4a8::table_scale<QT>();
+  const float inv_scale = w4a8::inv_table_scale<QT>();
   for (int j = 0; j < rows; ++j) {
     const int64_t f0 = (n0 + j) * k + c0;  // even: k and c0 are
     const uint8_t* src = p.packed + f0 / 2;
     int8_t* dst = w8 + j * kKc;
     int32_t* cj = corr + j * kMaxBlocks;
+    // 128 columns (64 bytes) at a time: the high nibbles (even columns) and
+    // the low ones (odd columns) looked up at once, then each activation
+    // block's even half followed by its odd half
     __m512i sums[kKc / 64];
-    for (int64_t c = 0; c < kKc / 64; ++c) {
-      if (c >= chunks) {
-        sums[c] = _mm512_setzero_si512();
+    const __m512i ba32_lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i ba32_hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    for (int64_t c = 0; c < kKc / 128; ++c) {
+      if (128 * c >= len) {
+        sums[2 * c] = sums[2 * c + 1] = _mm512_setzero_si512();
         continue;
       }
-      const bool whole = 64 * c + 64 <= len;  // else 32 codes at the end
-      const __mmask64 em = whole ? ~__mmask64(0) : __mmask64(0xffffffffu);
-      const __m256i bytes = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * c))
-                                  : _mm256_maskz_loadu_epi8(0xffff, src + 32 * c);
-      const __m512i v = _mm512_cvtepu8_epi16(bytes);
-      const __m512i idx = _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_slli_epi16(_mm512_and_si512(v, low4), 8));
-      const __m512i w = _mm512_maskz_shuffle_epi8(em, table, idx);
-      _mm512_store_si512(dst + 64 * c, w);
-      sums[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w);
+      const int64_t bytes = std::min<int64_t>(64, (len - 128 * c) / 2);
+      const __m512i v = bytes == 64 ? _mm512_loadu_si512(src + 64 * c)
+                                    : _mm512_maskz_loadu_epi8(~__mmask64(0) >> (64 - bytes), src + 64 * c);
+      const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+      const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+      const __m512i w0 = ba == 64 ? _mm512_shuffle_i64x2(hi, lo, 0x44) : _mm512_permutex2var_epi64(hi, ba32_lo, lo);
+      const __m512i w1 = ba == 64 ? _mm512_shuffle_i64x2(hi, lo, 0xee) : _mm512_permutex2var_epi64(hi, ba32_hi, lo);
+      _mm512_store_si512(dst + 128 * c, w0);
+      _mm512_store_si512(dst + 128 * c + 64, w1);
+      sums[2 * c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0);
+      sums[2 * c + 1] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w1);
     }
     // activation block sums: kKc / 64 == 16 chunks, one reduction
     static_assert(kKc == 1024, "one 16-vector reduction per decoded strip");
@@ -194,15 +227,19 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
       _mm512_storeu_si512(cj, _mm512_mullo_epi32(_mm512_permutexvar_epi32(order, h0), neg128));
       _mm512_storeu_si512(cj + 16, _mm512_mullo_epi32(_mm512_permutexvar_epi32(order, h1), neg128));
     }
-    // sw: the blocks' scales (decoded 16 at a time), one per activation block, / S
+    // sw: the blocks' scales (decoded 16 at a time), one per activation block, * fp32(1 / S)
     const int64_t first = f0 >> shift, last = (f0 + len - 1) >> shift;
-    scales.decode(first, last + 1, block_scales);
     float* sj = sw + j * kMaxBlocks;
-    for (int64_t b = 0; b < nb; ++b) sj[b] = block_scales[((f0 + b * ba) >> shift) - first];
+    if (p.blocksize == ba) {
+      scales.decode(first, last + 1, sj);  // one block scale per activation block
+    } else {
+      scales.decode(first, last + 1, block_scales);
+      for (int64_t b = 0; b < nb; ++b) sj[b] = block_scales[((f0 + b * ba) >> shift) - first];
+    }
     int64_t b = 0;
     for (; b + 16 <= nb; b += 16)
-      _mm512_storeu_ps(sj + b, _mm512_div_ps(_mm512_loadu_ps(sj + b), _mm512_set1_ps(table_scale)));
-    for (; b < nb; ++b) sj[b] = sj[b] / table_scale;
+      _mm512_storeu_ps(sj + b, _mm512_mul_ps(_mm512_loadu_ps(sj + b), _mm512_set1_ps(inv_scale)));
+    for (; b < nb; ++b) sj[b] = sj[b] * inv_scale;
   }
 }
 
@@ -270,7 +307,7 @@ void tile_any(int nr, const Panels& pn, int64_t g0, const Strip& w, float (*res)
 }
 
 template <QuantType QT>
-void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba) {
+void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bias) {
   const int mr = pn.groups >= 2 ? 2 : 1;
   const int nr_max = kTileAcc / mr;
   const int64_t chunks = ceil_div(p.n, int64_t(nr_max));
@@ -315,19 +352,121 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba) {
               tile_any<1, kTileAcc>(nr, pn, g, w, rg);
           }
         }
-        for (int64_t g = gb; g < ge; ++g) {
-          // group g's sums: res[(g - gb) * kTileAcc + (g - g_pair) * nr + j], g_pair its tile's first group
-          const int64_t gp = gb + (g - gb) / mr * mr;
-          const float (*rt)[16] = res + (gp - gb) * kTileAcc + (g - gp) * nr;
-          for (int l = 0; l < 16; ++l) {
-            const int64_t row = g * 16 + l;
-            if (row >= p.m) break;
-            for (int j = 0; j < nr; ++j)
-              gemm4::store_out(p.out, p.out_dtype, row * p.n + n0 + j,
-                               rt[j][l] + gemm4::load_bias(p.bias, p.bias_dtype, n0 + j));
+        Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
+          T* out = static_cast<T*>(p.out);
+          for (int64_t g = gb; g < ge; ++g) {
+            // group g's sums: res[(g - gb) * kTileAcc + (g - g_pair) * nr + j], g_pair its tile's first group
+            const int64_t gp = gb + (g - gb) / mr * mr;
+            const float (*rt)[16] = res + (gp - gb) * kTileAcc + (g - gp) * nr;
+            for (int l = 0; l < 16 && g * 16 + l < p.m; ++l) {
+              T* o = out + (g * 16 + l) * p.n + n0;
+              for (int j = 0; j < nr; ++j) Elem<T>::store(o, j, rt[j][l] + bias[n0 + j]);
+            }
           }
+        });
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------ few X rows
+//
+// For m <= kFewRows and 64-column activation blocks the tiles above would
+// leave most of their 16 lanes idle. Here lanes are the 64 columns of a
+// block: X stays row-major (q in strip order, signed) with xcorr[m][b] = 128 *
+// the block's sum of q, and the codes decode to unsigned table values w8 +
+// 128, so a block's vpdpbusd total is isum + xcorr. 16 weight rows at a time:
+// per block their 16 lane vectors reduce to one vector of 16 isums (one per
+// weight row), added into 16 fp32 sums in the contract's order -- the same
+// bits as the tiles'.
+constexpr int64_t kFewRows = 6;    // measured crossover with the tiles: 6-8 rows
+constexpr int64_t kFewAhead = 16;  // blocks of prefetch distance
+
+struct FewX {
+  int8_t* q;      // [m][k], strip order within each block
+  int32_t* corr;  // [m][k / 64]
+  float* sx;      // [m][k / 64]
+};
+
+template <typename T>
+void quantize_few(const T* x, int64_t r0, int64_t r1, int64_t k, const FewX& fx) {
+  const int64_t nb = k / 64;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      __m128i qv[4];
+      fx.sx[r * nb + b] = quantize_block(x + r * k + b * 64, 4, qv);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(fx.q + r * k + b * 64 + 16 * i), qv[i]);
+        sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(qv[i]));
+      }
+      fx.corr[r * nb + b] = 128 * _mm512_reduce_add_epi32(sum);  // |sum| <= 64 * 127: no overflow
+    }
+}
+
+template <QuantType QT>
+void run_few(const Gemm4bitParams& p, const FewX& fx, const float* bias) {
+  const int64_t k = p.k, nb = k / 64;
+  const int shift = log2_exact(p.blocksize);
+  alignas(16) uint8_t t8[16];
+  for (int i = 0; i < 16; ++i) t8[i] = uint8_t(w4a8::table8<QT>(i) + 128);
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const float inv_scale = w4a8::inv_table_scale<QT>();
+  parallel_for(ceil_div(p.n, int64_t(16)), 1, [&](int64_t c0, int64_t c1) {
+    const ScaleDecoder scales(p.scales);
+    // per thread: 16 decoded block rows, the 16 rows' scales [block][row], one row's scales
+    const int64_t row_scales = k / p.blocksize + 2;
+    char* buf = aligned_scratch<char>(kSlotRow, 16 * 64 + 4 * 16 * nb + 4 * row_scales + 64 * kFewRows + 128);
+    uint8_t* wbuf = reinterpret_cast<uint8_t*>(buf);
+    float* swc = reinterpret_cast<float*>(buf + 16 * 64);
+    float* tmp = swc + 16 * nb;
+    float* accs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tmp + row_scales) + 63) & ~uintptr_t(63));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * 16;
+      const int rows = int(std::min<int64_t>(16, p.n - n0));
+      for (int i = 0; i < 16; ++i) {
+        if (i >= rows) {
+          for (int64_t b = 0; b < nb; ++b) swc[b * 16 + i] = 0.0f;
+          continue;
+        }
+        const int64_t f0 = (n0 + i) * k, first = f0 >> shift;
+        scales.decode(first, ((f0 + k - 1) >> shift) + 1, tmp);
+        for (int64_t b = 0; b < nb; ++b) swc[b * 16 + i] = tmp[((f0 + b * 64) >> shift) - first] * inv_scale;
+      }
+      for (int r = 0; r < p.m; ++r) _mm512_store_ps(accs + 16 * r, _mm512_setzero_ps());
+      for (int i = rows; i < 16; ++i) _mm512_store_si512(wbuf + 64 * i, _mm512_setzero_si512());
+      const uint8_t* rowp[16];
+      for (int i = 0; i < rows; ++i) rowp[i] = p.packed + (n0 + i) * k / 2;
+      for (int64_t b = 0; b < nb; ++b) {
+        // 16 interleaved row streams: fetched 16 blocks (8 lines) ahead of use
+        if ((b & 1) == 0 && b + kFewAhead < nb)
+          for (int i = 0; i < rows; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(rowp[i] + (b + kFewAhead) * 32), _MM_HINT_T0);
+        for (int i = 0; i < rows; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + b * 32));
+          const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+          const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+          _mm512_store_si512(wbuf + 64 * i, _mm512_inserti64x4(_mm512_castsi256_si512(hi), lo, 1));
+        }
+        const __m512 swv = _mm512_loadu_ps(swc + b * 16);
+        for (int r = 0; r < p.m; ++r) {
+          const __m512i xv = _mm512_loadu_si512(fx.q + r * k + b * 64);
+          __m512i v[16];
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) v[i] = dpbusd(_mm512_setzero_si512(), _mm512_load_si512(wbuf + 64 * i), xv);
+          const __m512i total = lane_pairs(half_sums8(v), half_sums8(v + 8));  // lane i: weight row n0 + i
+          const __m512i isum = _mm512_sub_epi32(total, _mm512_set1_epi32(fx.corr[r * nb + b]));
+          const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(fx.sx[r * nb + b]), swv);
+          float* a = accs + 16 * r;
+          _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sc)));
         }
       }
+      Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
+        T* out = static_cast<T*>(p.out);
+        for (int r = 0; r < p.m; ++r)
+          for (int i = 0; i < rows; ++i) Elem<T>::store(out + r * p.n + n0, i, accs[16 * r + i] + bias[n0 + i]);
+      });
     }
   });
 }
@@ -337,6 +476,18 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba) {
 bool w4a8(const Gemm4bitParams& p, const Scales&) {
   const int64_t ba = w4a8::act_block(p.blocksize);
   if ((ba != 32 && ba != 64) || p.k % ba != 0) return false;
+  float* bias = scratch(gemm4::kSlotAcc, p.n);  // fp32 (0 without a bias)
+  for (int64_t j = 0; j < p.n; ++j) bias[j] = gemm4::load_bias(p.bias, p.bias_dtype, j);
+  if (ba == 64 && p.m <= kFewRows) {
+    const int64_t nb = p.k / 64;
+    FewX fx;
+    fx.q = aligned_scratch<int8_t>(kSlotPanels, p.m * p.k);
+    fx.corr = aligned_scratch<int32_t>(kSlotInput, 8 * p.m * nb + 64);
+    fx.sx = reinterpret_cast<float*>(fx.corr + p.m * nb);
+    Q4_DTYPE_SWITCH(p.x_dtype, T, [&] { quantize_few(static_cast<const T*>(p.x), 0, p.m, p.k, fx); });
+    Q4_QUANT_SWITCH(p.quant_type, QT, [&] { run_few<QT>(p, fx, bias); });
+    return true;
+  }
   Panels pn;
   pn.groups = ceil_div(p.m, int64_t(16));
   pn.steps = p.k / 4;
@@ -348,7 +499,7 @@ bool w4a8(const Gemm4bitParams& p, const Scales&) {
                  [&](int64_t r0, int64_t r1) { quantize_rows(static_cast<const T*>(p.x), r0, r1, p.k, ba, pn); });
   });
   pad_rows(p.m, pn);
-  Q4_QUANT_SWITCH(p.quant_type, QT, [&] { run<QT>(p, pn, ba); });
+  Q4_QUANT_SWITCH(p.quant_type, QT, [&] { run<QT>(p, pn, ba, bias); });
   return true;
 }
 
