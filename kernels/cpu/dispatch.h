@@ -75,10 +75,27 @@ struct Int8Gemm {
 };
 using Int8GemmFn = bool (*)(const Int8Gemm& g);
 
+// LLM.int8 input gradient of rows [row0, row0 + m) (contract in cpu/int8.cc):
+// dx[(row0 + i) * k + c] = the sum in n order of g(i, j) * weight[j * k + c],
+// one fp32 multiply and one add per term (g = dY * fp32(SCB * kInv127), from
+// the caller), g in blocks of kInt8GradRows rows: the r rows of block b (r =
+// kInt8GradRows but for the last) at g[b * kInt8GradRows * n + j * r + i], so
+// a block's values for one j are adjacent. Runs its own parallel_for.
+constexpr int kInt8GradRows = 12;
+struct Int8Grad {
+  const float* g;
+  const int8_t* weight;
+  int64_t m, n, k, row0;
+  void* dx;
+  DType dx_dtype;
+};
+using Int8GradFn = bool (*)(const Int8Grad& a);
+
 struct KernelTable {
   Chain<Gemm4Fn> gemm4;
   Chain<Grad4Fn> grad4;
   Chain<Gemm4Fn> w4a8;  // gemm_4bit_w4a8 (contract in q4/w4a8.h)
+  Chain<Int8GradFn> int8_grad;
   Chain<Int8DotsFn> int8_dots;
   Chain<Int8GemmFn> int8_gemm;
 };
@@ -87,7 +104,7 @@ struct KernelTable {
 const KernelTable& kernel_table();
 
 // Ops whose last-run kernel is recorded (for tests and benchmarks).
-enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kW4A8 = 3, kCount = 4 };
+enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kW4A8 = 3, kInt8Grad = 4, kCount = 5 };
 void record_kernel(Op op, const char* name);
 const char* last_kernel(Op op);
 
@@ -114,6 +131,7 @@ namespace avx512 {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);        // m == 1 here, else gemm4_tiled
 bool gemm4_tiled(const Gemm4bitParams& p, const gemm4::Scales& scales);  // x86/avx512/gemm4_tiled.cc
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+bool int8_grad(const Int8Grad& a);  // x86/avx512/int8_grad.cc
 }  // namespace avx512
 namespace avx512_bf16 {
 // bf16 inputs: W decoded to bf16 (fp32 value rounded once), vdpbf16ps with

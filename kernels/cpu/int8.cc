@@ -483,6 +483,8 @@ constexpr int kGradMR = 6;                     // g rows per register tile
 constexpr int64_t kGradKT = 16;                // dX columns per tile (two __m256)
 constexpr int64_t kGradNC = 256;               // W rows per chunk
 constexpr int64_t kGradPanelFloats = 1 << 17;  // a pass's g panel <= 512 KiB
+constexpr int64_t kGradPassFloats = 1 << 21;   // the chain kernels' g pass <= 8 MiB
+constexpr int kSlotGradPanel = 1;              // caller's scratch slot (parallel.h) of that pass
 
 // W rows [0, nlen) x columns [0, width) (width <= kGradKT) widened to fp32:
 // wf[nn * kGradKT + v] = float(w[nn * ws + v]).
@@ -756,9 +758,36 @@ Status int8_grad_input(const Int8GradInputParams& p) {
   const int64_t m = p.m, n = p.n, k = p.k;
   std::vector<float> col_scale(static_cast<size_t>(n));  // fp32(SCB[n] * kInv127)
   for (int64_t j = 0; j < n; ++j) col_scale[size_t(j)] = p.weight_scale[j] * kInv127;
+  hint_fresh_output(p.grad_input, m * k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  const Chain<Int8GradFn>& chain = kernel_table().int8_grad;
+  if (chain.size > 0) {
+    // the chain's kernels take g row-major, a pass of rows at a time
+    const int64_t pass = std::max<int64_t>(1, std::min(m, kGradPassFloats / n));
+    float* g = scratch(kSlotGradPanel, pass * n);  // (a vector would be fresh pages on every call)
+    for (int64_t m0 = 0; m0 < m; m0 += pass) {
+      const int64_t mc = std::min(pass, m - m0);
+      Q4_DTYPE_SWITCH(p.grad_out_dtype, T, [&] {
+        const T* dy = static_cast<const T*>(p.grad_out);
+        parallel_for(mc, 1, [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t b = r / kInt8GradRows, i = r % kInt8GradRows;
+            const int64_t rows = std::min<int64_t>(kInt8GradRows, mc - b * kInt8GradRows);
+            float* gb = g + b * kInt8GradRows * n + i;
+            for (int64_t j = 0; j < n; ++j) gb[j * rows] = Elem<T>::load(dy, (m0 + r) * n + j) * col_scale[size_t(j)];
+          }
+        });
+      });
+      const Int8Grad a{g, p.weight, mc, n, k, m0, p.grad_input, p.grad_input_dtype};
+      int i = 0;
+      while (i < chain.size && !chain.entries[i].fn(a)) ++i;
+      if (i == chain.size) break;  // (no entry serves: the loops below do it all)
+      record_kernel(Op::kInt8Grad, chain.entries[i].name);
+      if (m0 + mc == m) return Status::Ok();
+    }
+  }
+  record_kernel(Op::kInt8Grad, simd ? "avx2.int8_grad" : "scalar.int8_grad");
   const int64_t m_chunk = std::max<int64_t>(1, std::min(m, kGradPanelFloats / n));
   std::vector<float> panel(static_cast<size_t>(m_chunk * n));
-  hint_fresh_output(p.grad_input, m * k * (p.grad_input_dtype == kF32 ? 4 : 2));
   const int64_t tiles = ceil_div(k, kGradKT);
   for (int64_t m0 = 0; m0 < m; m0 += m_chunk) {
     const int64_t mc = std::min(m_chunk, m - m0);

@@ -89,6 +89,7 @@ cpu::KernelTable build_table(Isa isa) {
   if (isa >= kIsaAvx512) {
     t.gemm4.add("avx512.gemm4", cpu::avx512::gemm4);
     t.grad4.add("avx512.grad4", cpu::avx512::grad4);
+    t.int8_grad.add("avx512.int8_grad", cpu::avx512::int8_grad);
   }
   if (isa >= kIsaAvx2) {
     t.gemm4.add("avx2.gemm4", cpu::avx2::gemm4);
@@ -186,10 +187,17 @@ std::string cpu_features_json() {
   s += ", ";
   for (int i = 0; i < t.w4a8.size; ++i) names[i] = t.w4a8.entries[i].name;
   json_chain(s, "gemm_4bit_w4a8", names, t.w4a8.size);
+  s += ", ";
+  count = 0;  // int8_grad_input: the chain's entries, then int8.cc's own loops
+  for (int i = 0; i < t.int8_grad.size; ++i) names[count++] = t.int8_grad.entries[i].name;
+  if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_grad";
+  names[count++] = "scalar.int8_grad";
+  json_chain(s, "int8_grad_input", names, count);
   s += "}, \"last_kernel\": {\"gemm_4bit\": \"" + std::string(cpu::last_kernel(cpu::Op::kGemm4)) +
        "\", \"gemm_4bit_grad_input\": \"" + std::string(cpu::last_kernel(cpu::Op::kGrad4)) + "\", \"int8_linear\": \"" +
        std::string(cpu::last_kernel(cpu::Op::kInt8Linear)) + "\", \"gemm_4bit_w4a8\": \"" +
-       std::string(cpu::last_kernel(cpu::Op::kW4A8)) + "\"}}";
+       std::string(cpu::last_kernel(cpu::Op::kW4A8)) + "\", \"int8_grad_input\": \"" +
+       std::string(cpu::last_kernel(cpu::Op::kInt8Grad)) + "\"}}";
   return s;
 }
 
