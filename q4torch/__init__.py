@@ -1,6 +1,7 @@
 """q4torch: the PyTorch front end of q4 (bitsandbytes-compatible names)."""
 
 from q4torch import functional, nn
+from q4torch._src.matmul_lt import MatmulLtState, matmul
 from q4torch._src.replace import load_quantized, replace_linear
 from q4torch.functional import QuantState, matmul_4bit
 
@@ -18,11 +19,13 @@ def _share_threads() -> None:
 _share_threads()
 
 __all__ = [
+    "MatmulLtState",
     "QuantState",
     "QuantStateLoadPlanner",
     "fully_shard",
     "functional",
     "load_quantized",
+    "matmul",
     "matmul_4bit",
     "nn",
     "replace_linear",

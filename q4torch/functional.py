@@ -7,7 +7,9 @@ CPU path for the 4-bit formats; see the README for the nested 8-bit absmax.
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -22,7 +24,16 @@ from q4torch._src import ops
 
 __all__ = [
     "QuantState",
+    "create_fp8_map",
+    "create_linear_map",
+    "create_normal_map",
+    "gemv_4bit",
+    "has_avx512bf16",
+    "int8_double_quant",
     "int8_linear",
+    "int8_linear_matmul",
+    "int8_mm_dequant",
+    "int8_vectorwise_dequant",
     "int8_vectorwise_quant",
     "matmul_4bit",
     "dequantize_4bit",
@@ -43,6 +54,8 @@ _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 # graphs, where a ctypes call cannot be traced
 _MIN_BLOCKSIZE, _MAX_BLOCKSIZE = formats.min_blocksize(), formats.max_blocksize()
 _NESTED_BLOCKSIZE = formats.nested_blocksize()
+_INV_127 = 1.0 / 127.0  # fp32(1/127), LLM.int8's dequantization
+_INV_127_SQ = 1.0 / 16129.0  # fp32(1/127^2)
 
 
 def get_4bit_type(typename: str, device=None) -> torch.Tensor:
@@ -51,9 +64,93 @@ def get_4bit_type(typename: str, device=None) -> torch.Tensor:
     return torch.from_numpy(formats.code_table(typename).copy()).to(device or "cpu")
 
 
-def create_dynamic_map(device=None) -> torch.Tensor:
-    """The signed 8-bit dynamic map (256 sorted values, read from the kernel library)."""
-    return torch.from_numpy(formats.code_table("dynamic").copy()).to(device or "cpu")
+def create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8, device=None) -> torch.Tensor:
+    """The dynamic map: 256 sorted values in [-1, 1] (bitsandbytes' signature).
+    The default, signed 8-bit map is the kernel library's table; other
+    parameters build the generalised map (a dynamic exponent of up to
+    max_exponent_bits decimal digits, linearly spaced fractions in [0.1, 1]),
+    padded with zeros to 256 values."""
+    if isinstance(signed, (torch.device, str)) and device is None:  # create_dynamic_map(device)
+        signed, device = True, signed
+    if signed is True and max_exponent_bits == 7 and total_bits == 8:
+        return torch.from_numpy(formats.code_table("dynamic").copy()).to(device or "cpu")
+    if not (1 <= total_bits <= 8) or not (1 <= max_exponent_bits <= total_bits):
+        raise ValueError(
+            f"create_dynamic_map needs 1 <= total_bits <= 8 and 1 <= max_exponent_bits <= total_bits, "
+            f"got total_bits={total_bits}, max_exponent_bits={max_exponent_bits}"
+        )
+    values: list[float] = []
+    fraction_bits = total_bits - 1 - max_exponent_bits  # bits beside the sign and the exponent's indicator
+    sides = (1.0, -1.0) if signed else (1.0,)
+
+    def scaled(scale: float, count: int) -> list[float]:
+        # fp32 midpoints of `count` equal steps over [0.1, 1], times the scale (in fp32)
+        edges = torch.linspace(0.1, 1, count + 1, dtype=torch.float32)
+        means = (edges[:-1] + edges[1:]) / 2.0
+        return [v for side in sides for v in ((side * scale) * means).tolist()]
+
+    for e in range(max_exponent_bits):
+        count = int(2.0 ** (e + fraction_bits + (0 if signed else 1)))  # below 1: none
+        values += scaled(10.0 ** (e - (max_exponent_bits - 1)), count)
+    extra = int(2**fraction_bits - 1)  # the codes whose exponent bits are all zero
+    if extra > 0:
+        values += scaled(1.0, extra)  # at the largest exponent's scale
+    values += [0.0, 1.0]
+    values += [0.0] * (256 - len(values))
+    return torch.tensor(sorted(values), dtype=torch.float32, device=device or "cpu")
+
+
+def create_linear_map(signed=True, total_bits=8, add_zero=True) -> torch.Tensor:
+    """2**total_bits evenly spaced values over [-1, 1] (signed) or [0, 1], one
+    fewer when signed with add_zero (so that 0 is a value), zero-padded in the
+    middle to 256 entries (bitsandbytes' layout)."""
+    count = 2**total_bits
+    if (add_zero or total_bits < 8) and signed:
+        count -= 1
+    values = torch.linspace(-1.0 if signed else 0.0, 1.0, count)
+    gap = 256 - values.numel()
+    if gap == 0:
+        return values
+    half = values.numel() // 2
+    return torch.cat([values[:half], torch.zeros(gap), values[half:]])
+
+
+def create_normal_map(offset=0.9677083, use_extra_value=True) -> torch.Tensor:
+    """The NormalFloat map: quantiles of N(0, 1) at evenly spaced probabilities
+    from `offset` to 0.5 (8 positive and 7 negative values with
+    use_extra_value, else 7 and 7), zero-padded to 256, sorted, scaled so the
+    largest is 1. The default's 16 non-zero-padding values are q4's NF4 table."""
+    try:
+        from scipy.stats import norm
+    except ImportError as e:  # pragma: no cover - scipy is a test dependency
+        raise ImportError("create_normal_map needs scipy") from e
+    positive = norm.ppf(torch.linspace(offset, 0.5, 9 if use_extra_value else 8)[:-1].numpy()).tolist()
+    negative = (-norm.ppf(torch.linspace(offset, 0.5, 8)[:-1].numpy())).tolist()
+    values = torch.tensor(positive + [0.0] * (256 - len(positive) - len(negative)) + negative)
+    values = values.sort().values
+    return values / values.max()
+
+
+def create_fp8_map(signed=True, exponent_bits=5, precision_bits=2, total_bits=8) -> torch.Tensor:
+    """A small floating-point format's values (exponent bias 2**(exponent_bits - 1),
+    subnormals at exponent 0), both signs when signed, zero-padded to 256,
+    sorted and scaled so the largest is 1 (bitsandbytes' code-book builder; its
+    4-bit E2M1 variant is not the FP4 table, whose smallest value differs)."""
+    if exponent_bits + precision_bits != total_bits - (1 if signed else 0):
+        raise ValueError(
+            f"exponent_bits + precision_bits must be total_bits - {1 if signed else 0}, got "
+            f"{exponent_bits} + {precision_bits} with total_bits {total_bits}"
+        )
+    bias = 2 ** (exponent_bits - 1)
+    values: list[float] = []
+    for e in range(2**exponent_bits):
+        for m in range(2**precision_bits):
+            fraction = m / 2**precision_bits  # mantissa bits, most significant first
+            v = fraction * 2.0**-bias if e == 0 else (1 + fraction) * 2.0 ** -(e - bias - 1)
+            values += [v, -v] if signed else [v]
+    values += [0.0] * (256 - len(values))
+    code = torch.tensor(sorted(values))
+    return code / code.max()
 
 
 class QuantState:
@@ -151,6 +248,25 @@ class QuantState:
         Validates every entry; a corrupted or truncated entry raises
         q4.QuantStateError naming it.
         """
+        if not any("quant_state." in k for k in qs_dict) and qs_dict.get("quant_type", "") is None:
+            return cls._blockwise_from_dict(qs_dict, device)
+        if not any("quant_state." in k for k in qs_dict) and "quant_type" in qs_dict:
+            # the unpacked form (as_dict(packed=False)): its plain values are what
+            # the packed JSON entry holds, so they go through the same checks
+            meta = {}
+            for k, v in list(qs_dict.items()):
+                if not isinstance(v, torch.Tensor):
+                    meta[k.split(".")[-1]] = list(v) if isinstance(v, (tuple, torch.Size)) else v
+            qs_dict = {k: v for k, v in qs_dict.items() if isinstance(v, torch.Tensor)}
+            if not isinstance(meta.get("quant_type"), str) or meta["quant_type"] not in cls.valid_quant_types:
+                raise q4.QuantStateError(
+                    f"quant_type must be 'nf4' or 'fp4', got {formats.short_repr(meta.get('quant_type'))}"
+                )
+            try:
+                packed_meta = q4._src.quant_state.pack_json(meta)
+            except (TypeError, ValueError) as e:
+                raise q4.QuantStateError(f"quant state entries are not plain values: {e}") from None
+            qs_dict[JSON_KEY_PREFIX + meta["quant_type"]] = torch.from_numpy(packed_meta)
         entries = {}
         for k, v in qs_dict.items():
             key = k if k.startswith("quant_state.") else k.split(".")[-1]
@@ -158,6 +274,46 @@ class QuantState:
                 key = "quant_state." + k.split("quant_state.")[-1]
             entries[key] = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
         return cls.from_numpy(_NpQuantState.from_dict(entries), device)
+
+    @classmethod
+    def _blockwise_from_dict(cls, qs_dict: dict[str, Any], device) -> QuantState:
+        """An 8-bit blockwise state from its unpacked as_dict() (quant_type None)."""
+        d = {k.split(".")[-1]: v for k, v in qs_dict.items()}
+        for key in ("absmax", "quant_map", "blocksize", "dtype"):
+            if key not in d:
+                raise q4.QuantStateError(f"8-bit blockwise state lacks '{key}'")
+        absmax, code = d["absmax"], d["quant_map"]
+        if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or absmax.dim() != 1:
+            raise q4.QuantStateError(f"absmax must be a 1-D float32 tensor, got {formats.short_repr(absmax)}")
+        if not isinstance(code, torch.Tensor) or code.dtype != torch.float32 or code.numel() != 256:
+            raise q4.QuantStateError(f"quant_map must be 256 float32 values, got {formats.short_repr(code)}")
+        if d["dtype"] not in _TORCH_DTYPES:
+            raise q4.QuantStateError(
+                f"dtype must be float32, float16 or bfloat16, got {formats.short_repr(d['dtype'])}"
+            )
+        try:
+            blocksize = formats.check_blocksize(d["blocksize"])
+        except ValueError as e:
+            raise q4.QuantStateError(str(e)) from None
+        state2 = offset = None
+        if "nested_absmax" in d:
+            offset = torch.tensor(float(d["nested_offset"]), dtype=torch.float32, device=device)
+            state2 = cls(
+                absmax=d["nested_absmax"].to(device),
+                blocksize=d["nested_blocksize"],
+                code=d["nested_quant_map"].to(device),
+                dtype=_TORCH_DTYPES[d.get("nested_dtype", "float32")],
+            )
+        shape = d.get("shape")
+        return cls(
+            absmax=absmax.to(device),
+            shape=torch.Size(shape) if shape is not None else None,
+            code=code.to(device),
+            blocksize=blocksize,
+            dtype=_TORCH_DTYPES[d["dtype"]],
+            offset=offset,
+            state2=state2,
+        )
 
     def as_dict(self, packed: bool = False) -> dict[str, Any]:
         """Entries for a state dict; packed=True gives tensors only (safetensors-ready),
@@ -561,7 +717,14 @@ def matmul_4bit(
     if quant_state is None:
         raise ValueError("matmul_4bit needs the weight's quant_state")
     formats.check_activation_quant(activation_quant)
-    if out is None and isinstance(quant_state, QuantState) and isinstance(A, torch.Tensor) and _eager_cpu(A, bias):
+    if (
+        out is None
+        and isinstance(quant_state, QuantState)
+        and isinstance(A, torch.Tensor)
+        and A.numel() != 0
+        and A.shape[-1] == quant_state.shape[-1]  # (else an error, or the [K, N] orientation below)
+        and _eager_cpu(A, bias)
+    ):
         # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
         with torch._C.DisableTorchFunctionSubclass():
             if isinstance(B, torch.Tensor) and B.is_cpu and B.is_contiguous():
@@ -575,6 +738,24 @@ def matmul_4bit(
     n, k = (int(s) for s in quant_state.shape)
     packed = B if B.dtype == torch.uint8 else B.view(torch.uint8)
     nested = quant_state.nested
+    if A.dim() >= 1 and A.shape[-1] == n and n != k:
+        # a weight quantized from a [K, N] tensor (bitsandbytes accepts it, deprecated)
+        warnings.warn(
+            f"matmul_4bit: the weight was quantized from a [K, N] tensor (quant_state.shape={list(quant_state.shape)}); "
+            "quantize it in [N, K] (out_features, in_features) orientation",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if activation_quant is not None:
+            raise ValueError("activation_quant needs a weight quantized in [N, K] orientation")
+        y = _MatmulKN.apply(A, packed.reshape(-1), quant_state)
+        y = y if bias is None else y + bias
+        return y if out is None else out.copy_(y)
+    if A.dim() >= 1 and A.numel() == 0 and A.shape[-1] == k:
+        # no rows: an empty result that still joins the autograd graph
+        y = torch.matmul(A, A.new_zeros((k, n)))
+        y = y if bias is None else y + bias
+        return y if out is None else out.copy_(y)
     op = ops.gemm_4bit if activation_quant is None else ops.gemm_4bit_w4a8
     y = op(
         A,
@@ -591,6 +772,42 @@ def matmul_4bit(
     if out is not None:
         return out.copy_(y)
     return y
+
+
+def _weight_operands(packed: torch.Tensor, qs: QuantState) -> tuple:
+    nested = qs.nested
+    return (
+        packed,
+        qs.absmax,
+        qs.state2.absmax if nested else None,
+        qs.offset if nested else None,
+        int(qs.shape[0]),
+        int(qs.shape[1]),
+        int(qs.blocksize),
+        qs.quant_type,
+    )
+
+
+class _MatmulKN(torch.autograd.Function):
+    """A . W for a 4-bit W stored as [K, N] (quant_state.shape): the input-gradient
+    kernel computes it (x . W), the forward kernel its gradient (g . W^T)."""
+
+    @staticmethod
+    def forward(ctx, A, packed, qs):
+        ctx.save_for_backward(packed)
+        ctx.qs = qs
+        rows = A.reshape(-1, A.shape[-1]) if A.numel() else A.reshape(0, A.shape[-1])
+        if rows.shape[0] == 0:
+            return A.new_zeros(A.shape[:-1] + (int(qs.shape[1]),))
+        return ops.gemm_4bit_grad_input(rows, *_weight_operands(packed, qs)).reshape(A.shape[:-1] + (-1,))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        if grad.numel() == 0:
+            return grad.new_zeros(grad.shape[:-1] + (int(ctx.qs.shape[0]),)), None, None
+        g = grad.contiguous()
+        return ops.gemm_4bit(g, *_weight_operands(packed, ctx.qs), None), None, None
 
 
 def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0):
@@ -613,3 +830,101 @@ def int8_linear(
     y ~= A . (CB * SCB / 127)^T (+ bias); input columns with any |A| >= threshold
     (threshold > 0) go through fp32 unquantized."""
     return ops.int8_linear(A, CB, SCB, float(threshold), bias)
+
+
+# ------------------------------------------------------------ bitsandbytes' functional API
+
+
+def has_avx512bf16() -> bool:
+    """Whether this CPU (and OS) supports AVX512_BF16, from q4's feature detection."""
+    return bool(q4.cpu_features()["features"]["avx512_bf16"])
+
+
+def _convert_weight_packed_for_cpu(qweight: torch.Tensor, quant_state: QuantState, block_n: int = 32):
+    """bitsandbytes repacks a 4-bit weight for its CPU gemv; q4's kernels read
+    the packed bytes as they are, so this returns copies in the same layout
+    (a pure function: the arguments are not modified)."""
+    check_quant_state(quant_state, qweight)
+    return qweight.detach().clone(), copy.copy(quant_state)
+
+
+def gemv_4bit(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    out: torch.Tensor | None = None,
+    transposed_A=False,
+    transposed_B=False,
+    state: QuantState | None = None,
+) -> torch.Tensor:
+    """A . dequantize(B)^T for the packed 4-bit B (any view of it), as
+    bitsandbytes.functional.gemv_4bit: the fused kernel (any batch)."""
+    if state is None:
+        raise ValueError("state cannot be None: gemv_4bit needs the state from quantize_4bit()")
+    return matmul_4bit(A, B, state, out=out)
+
+
+def int8_linear_matmul(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor | None = None, dtype=torch.int32):
+    """The exact int32 product A . B^T of int8 A [..., k] and int8 B [n, k]."""
+    for name, t in (("A", A), ("B", B)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
+            raise TypeError(f"int8_linear_matmul: {name} must be an int8 tensor, got {getattr(t, 'dtype', type(t))}")
+    if dtype != torch.int32:
+        raise ValueError(f"int8_linear_matmul computes int32, got dtype={dtype}")
+    if B.dim() != 2 or A.dim() < 1 or A.shape[-1] != B.shape[-1]:
+        raise ValueError(f"int8_linear_matmul: A {tuple(A.shape)} and B {tuple(B.shape)} do not share k")
+    if A.shape[-1] > 2**37:  # |sum| < 128^2 k must stay exact in fp64 (2^53)
+        raise ValueError(f"int8_linear_matmul: k = {A.shape[-1]} is too long")
+    # every partial sum is an integer below 2^53: fp64 products and sums are exact
+    result = torch.matmul(A.to(torch.float64), B.to(torch.float64).t()).to(torch.int32)
+    if out is not None:
+        return out.copy_(result)
+    return result
+
+
+def int8_mm_dequant(
+    A: torch.Tensor,
+    row_stats: torch.Tensor,
+    col_stats: torch.Tensor,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp16 (A * (row_stats * col_stats) / 127^2 + bias) for the int32 product
+    A of int8_linear_matmul (q4's LLM.int8 epilogue order)."""
+    if A.dtype != torch.int32:
+        raise ValueError(f"A must be int32, got {A.dtype}")
+    for name, t in (("row_stats", row_stats), ("col_stats", col_stats)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    a = A.reshape(-1, A.shape[-1])
+    scale = row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)
+    result = a.to(torch.float32) * scale * _INV_127_SQ
+    if bias is not None:
+        result = result + bias.to(torch.float32)
+    result = result.to(torch.float16).reshape(A.shape)
+    if out is not None:
+        return out.copy_(result)
+    return result
+
+
+def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """fp32 A * stats[row] / 127 (rows of A: all but its last dim)."""
+    if A.dtype != torch.int8:
+        raise TypeError(f"A must be int8, got {A.dtype}")
+    return A.to(torch.float32) * stats.reshape(-1, *([1] * (A.dim() - 1))).reshape(*A.shape[:-1], 1) * _INV_127
+
+
+def int8_double_quant(A: torch.Tensor, col_stats=None, row_stats=None, out_col=None, out_row=None, threshold=0.0):
+    """LLM.int8 quantization row-wise and column-wise: (row-quantized int8,
+    column-quantized int8, row_stats, col_stats, outlier column indices or
+    None). Outlier columns (any |A| >= threshold) are zero in both."""
+    for name, v in (("col_stats", col_stats), ("row_stats", row_stats), ("out_col", out_col), ("out_row", out_row)):
+        if v is not None:
+            raise ValueError(f"{name} must be None: int8_double_quant does not take pre-allocated outputs")
+    rows = A.reshape(-1, A.shape[-1])
+    q_row, s_row, outliers = int8_vectorwise_quant(rows, threshold)
+    cols = rows
+    if outliers is not None and outliers.numel():
+        cols = rows.clone()
+        cols[:, outliers] = 0
+    q_col_t, s_col, _ = int8_vectorwise_quant(cols.t().contiguous(), 0.0)
+    return q_row.reshape(A.shape), q_col_t.t().contiguous().reshape(A.shape), s_row, s_col, outliers

@@ -194,6 +194,12 @@ class MatmulLtState:
         lambda self, v: setattr(self._layer.weight, "has_fp16_weights", bool(v)),
     )
     is_training = property(lambda self: self._layer.training)
+    # True: the forward multiplies by the dequantized weight (CB * SCB / 127, in
+    # the input's dtype) instead of the int8 product (written to the layer)
+    force_no_igemmlt = property(
+        lambda self: getattr(self._layer, "force_no_igemmlt", False),
+        lambda self, v: setattr(self._layer, "force_no_igemmlt", bool(v)),
+    )
     use_pool = property(lambda self: self.threshold > 0.0 and not self.has_fp16_weights)
 
     def _key(self):
@@ -261,6 +267,9 @@ class Linear8bitLt(nn.Linear):
                     "Linear8bitLt: the weight is int8 but has no SCB (row scales); "
                     "set weight.SCB or load a checkpoint with an 'SCB' entry"
                 )
+            if getattr(self, "force_no_igemmlt", False):
+                wd = (w.detach().to(torch.float32) * (scb.to(torch.float32) * (1.0 / 127.0)).unsqueeze(1)).to(x.dtype)
+                return nn.functional.linear(x, wd, None if self.bias is None else self.bias.to(x.dtype))
             return F.int8_linear(x, w, scb, self.threshold, self.bias)
         # Unquantized float weight: quantize a temporary copy (nothing stored).
         CB, SCB = _quantize_weight(w.detach())
@@ -352,7 +361,10 @@ class Linear8bitLt(nn.Linear):
                 new_scb = scb_in.detach().to(device, torch.float32, copy=True)
         elif w_in is not None and w_in.is_floating_point():
             if scb_in is not None:
-                errs.append(f"{k_scb} given with a float (unquantized) {k_w} ({w_in.dtype})")
+                errs.append(
+                    "Loading a quantized checkpoint into non-quantized Linear8bitLt is not supported: "
+                    f"{k_scb} given with a float (unquantized) {k_w} ({w_in.dtype})"
+                )
             elif _is_int8(w):
                 errs.append(
                     f"{k_w} is a float ({w_in.dtype}) weight but this layer is already quantized; "
