@@ -16,6 +16,12 @@ Status check_blocksize(int64_t bs, const char* what) {
     return Status::Invalid(std::string(what) + " must be a power of two in [32, 4096], got " + S(bs));
   return Status::Ok();
 }
+Status check_blocksize8(int64_t bs, const char* what) {
+  if (!is_pow2(bs) || bs < kMinBlocksize || bs > kMaxBlocksize8)
+    return Status::Invalid(std::string(what) + " must be a power of two in [32, " + S(kMaxBlocksize8) + "], got " +
+                           S(bs));
+  return Status::Ok();
+}
 Status check_float_dtype(DType d, const char* what) {
   if (d != kF32 && d != kF16 && d != kBF16)
     return Status::Invalid(std::string(what) + " must be float32, float16 or bfloat16 (dtype code 0, 1, 2), got code " +
@@ -86,7 +92,7 @@ Status validate(const Dequantize4bitParams& p) {
 
 Status validate(const QuantizeBlockwiseParams& p) {
   Q4_RETURN_IF_ERROR(check_n(p.n));
-  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_blocksize8(p.blocksize, "blocksize"));
   Q4_RETURN_IF_ERROR(check_float_dtype(p.x_dtype, "input dtype"));
   Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
   Q4_RETURN_IF_ERROR(check_ptr(p.codes, "codes output"));
@@ -98,7 +104,7 @@ Status validate(const QuantizeBlockwiseParams& p) {
 
 Status validate(const DequantizeBlockwiseParams& p) {
   Q4_RETURN_IF_ERROR(check_n(p.n));
-  Q4_RETURN_IF_ERROR(check_blocksize(p.blocksize, "blocksize"));
+  Q4_RETURN_IF_ERROR(check_blocksize8(p.blocksize, "blocksize"));
   Q4_RETURN_IF_ERROR(check_float_dtype(p.out_dtype, "output dtype"));
   Q4_RETURN_IF_ERROR(check_ptr(p.codes, "codes"));
   Q4_RETURN_IF_ERROR(check_ptr(p.absmax, "absmax"));

@@ -292,7 +292,7 @@ class QuantState:
                 f"dtype must be float32, float16 or bfloat16, got {formats.short_repr(d['dtype'])}"
             )
         try:
-            blocksize = formats.check_blocksize(d["blocksize"])
+            blocksize = formats.check_blocksize8(d["blocksize"])
         except ValueError as e:
             raise q4.QuantStateError(str(e)) from None
         state2 = offset = None
@@ -569,7 +569,7 @@ def quantize_blockwise(
     """8-bit blockwise quantization with the dynamic map (or `code`): each
     element gets the code whose reconstruction code[j] * absmax is nearest."""
     _check_tensors(A=A, code=code, absmax=absmax, out=out)
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     code = create_dynamic_map(A.device) if code is None else code.to(A.device)
     _out, _absmax = ops.quantize_blockwise(A, code, bs)
     if nested:
@@ -741,8 +741,8 @@ def matmul_4bit(
     if A.dim() >= 1 and A.shape[-1] == n and n != k:
         # a weight quantized from a [K, N] tensor (bitsandbytes accepts it, deprecated)
         warnings.warn(
-            f"matmul_4bit: the weight was quantized from a [K, N] tensor (quant_state.shape={list(quant_state.shape)}); "
-            "quantize it in [N, K] (out_features, in_features) orientation",
+            f"matmul_4bit: the weight was quantized from a [K, N] tensor (quant_state.shape={list(quant_state.shape)}). "
+            "Re-quantize from the weight in [N, K] (out_features, in_features) orientation",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -46,6 +46,7 @@ int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size) {
 
 int64_t q4_min_blocksize(void) { return q4::kMinBlocksize; }
 int64_t q4_max_blocksize(void) { return q4::kMaxBlocksize; }
+int64_t q4_max_blocksize8(void) { return q4::kMaxBlocksize8; }
 int64_t q4_nested_blocksize(void) { return q4::kNestedBlocksize; }
 int64_t q4_w4a8_act_block(int64_t blocksize) { return q4::w4a8::act_block(blocksize); }
 

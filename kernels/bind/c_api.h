@@ -22,6 +22,7 @@ Q4_API int32_t q4_code_table(int32_t which, float* out, int64_t out_size); /* 0 
 Q4_API int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size);
 Q4_API int64_t q4_min_blocksize(void);
 Q4_API int64_t q4_max_blocksize(void);
+Q4_API int64_t q4_max_blocksize8(void); /* 8-bit blockwise */
 Q4_API int64_t q4_nested_blocksize(void);
 Q4_API int64_t q4_w4a8_act_block(int64_t blocksize); /* W4A8's activation block (q4/w4a8.h) */
 

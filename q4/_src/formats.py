@@ -45,10 +45,19 @@ def nested_blocksize() -> int:
     return int(native.lib().q4_nested_blocksize())
 
 
-def check_blocksize(blocksize: int) -> int:
-    """Validate a 4-bit/8-bit block size: a power of two in [32, 4096], an int
-    (not a bool or a float); anything else raises ValueError."""
-    lo, hi = min_blocksize(), max_blocksize()
+def max_blocksize8() -> int:
+    return int(native.lib().q4_max_blocksize8())
+
+
+def check_blocksize8(blocksize: int) -> int:
+    """Validate an 8-bit blockwise block size: a power of two in [32, 16384]."""
+    return check_blocksize(blocksize, max_blocksize8())
+
+
+def check_blocksize(blocksize: int, hi: int | None = None) -> int:
+    """Validate a 4-bit block size: a power of two in [32, 4096] (or up to
+    ``hi``), an int (not a bool or a float); anything else raises ValueError."""
+    lo, hi = min_blocksize(), max_blocksize() if hi is None else hi
     if (
         isinstance(blocksize, bool)
         or not isinstance(blocksize, (int, np.integer))

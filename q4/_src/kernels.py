@@ -184,7 +184,7 @@ def _code_book(code) -> np.ndarray | None:
 def quantize_blockwise(x: np.ndarray, blocksize: int = 4096, code: np.ndarray | None = None):
     """8-bit blockwise quantization (dynamic map by default): (codes uint8 like x, absmax float32)."""
     x = _input(x)
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     code_arr = _code_book(code)
     codes = np.empty(x.shape, np.uint8)
     absmax = np.empty(formats.num_blocks(x.size, bs), np.float32)
@@ -201,7 +201,7 @@ def quantize_blockwise(x: np.ndarray, blocksize: int = 4096, code: np.ndarray | 
 
 
 def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, offset=None, dtype="float32"):
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     codes = np.ascontiguousarray(codes, np.uint8)
     absmax = np.ascontiguousarray(absmax, np.float32)
     if absmax.size != formats.num_blocks(codes.size, bs):

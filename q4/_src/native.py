@@ -50,6 +50,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_fp4_rank_order": (c_int32, [_i32p, c_int64]),
     "q4_min_blocksize": (c_int64, []),
     "q4_max_blocksize": (c_int64, []),
+    "q4_max_blocksize8": (c_int64, []),
     "q4_nested_blocksize": (c_int64, []),
     "q4_w4a8_act_block": (c_int64, [c_int64]),
     "q4_cpu_isa": (c_int32, []),

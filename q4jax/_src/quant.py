@@ -171,7 +171,7 @@ def dequantize_4bit(packed: jax.Array, state: QuantState) -> jax.Array:
 def quantize_blockwise(x: jax.Array, blocksize: int = 4096, code: jax.Array | None = None):
     """8-bit blockwise quantization (dynamic map by default): (codes uint8 like x, absmax f32)."""
     _check_input(x)
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     code = jnp.asarray(formats.code_table("dynamic")) if code is None else jnp.asarray(code, jnp.float32)
     if code.shape[-1:] != (256,):
         raise ValueError(f"code must hold 256 values, got shape {code.shape}")
@@ -181,7 +181,7 @@ def quantize_blockwise(x: jax.Array, blocksize: int = 4096, code: jax.Array | No
 @functools.partial(jax.jit, static_argnames=("blocksize", "dtype"))
 def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, dtype: str = "float32"):
     """code[codes] * absmax[block], rounded to dtype."""
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     if codes.dtype != jnp.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     nb = formats.num_blocks(codes.size, bs)

@@ -160,7 +160,7 @@ def _(packed, absmax, blocksize, quant_type, out):
 def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit blockwise quantization with a sorted 256-entry code book: (codes uint8 like A, absmax f32)."""
     xcode = dtype_code(A.dtype, "quantize_blockwise input")
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     _nonempty(A, "input")
     code = _f32(code, "code")
     if code.numel() != 256:
@@ -176,7 +176,7 @@ def quantize_blockwise(A: torch.Tensor, code: torch.Tensor, blocksize: int) -> t
 
 @quantize_blockwise.register_fake
 def _(A, code, blocksize):
-    formats.check_blocksize(blocksize)
+    formats.check_blocksize8(blocksize)
     return A.new_empty(A.shape, dtype=torch.uint8), A.new_empty(
         (formats.num_blocks(A.numel(), blocksize),), dtype=torch.float32
     )
@@ -192,7 +192,7 @@ def dequantize_blockwise(
     offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """code[A] * absmax[block]; with offset: fp32(code[A] * absmax[block]) + offset (nested absmax)."""
-    bs = formats.check_blocksize(blocksize)
+    bs = formats.check_blocksize8(blocksize)
     dcode = dtype_code(dtype, "dequantize_blockwise output dtype")
     A, absmax, code = _u8(A, "A"), _f32(absmax, "absmax"), _f32(code, "code")
     if absmax.numel() != formats.num_blocks(A.numel(), bs):

@@ -64,7 +64,7 @@ KINDS8 = ["normal", "special", "zeros", "tiny", "huge", "nan", "inf", "codes", "
 
 
 @pytest.mark.parametrize("dtype", inputs.DTYPES)
-@pytest.mark.parametrize("blocksize", [32, 256, 4096])
+@pytest.mark.parametrize("blocksize", [32, 256, 4096, 16384])
 def test_quantize_blockwise_matches_oracle(rng, dtype, blocksize):
     for shape in [(5000,), (33, 65), (7,)]:
         for kind in ("normal", "special", "zeros", "tiny"):
@@ -79,8 +79,20 @@ def test_quantize_blockwise_matches_oracle(rng, dtype, blocksize):
             )
 
 
+def test_blockwise_blocksize_limits(rng):
+    """8-bit blockwise blocks go up to 16384 (4-bit ones to 4096); past it, the
+    value is in the message."""
+    x = rng.standard_normal(40000).astype(np.float32)
+    codes, absmax = q4.quantize_blockwise(x, 16384)
+    assert absmax.size == 3
+    with pytest.raises(ValueError, match="power of two in \\[32, 16384\\], got 32768"):
+        q4.quantize_blockwise(x, 32768)
+    with pytest.raises(ValueError, match="power of two in \\[32, 4096\\], got 16384"):
+        q4.quantize_4bit(x, 16384)
+
+
 @pytest.mark.parametrize("dtype", inputs.DTYPES)
-@pytest.mark.parametrize("blocksize", inputs.BLOCKSIZES)
+@pytest.mark.parametrize("blocksize", [*inputs.BLOCKSIZES, 16384])
 def test_blockwise_equals_bitsandbytes(rng, dtype, blocksize):
     import bitsandbytes.functional as bnbf
 

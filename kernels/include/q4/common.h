@@ -32,6 +32,8 @@ enum StatusCode : int32_t {
 
 constexpr int64_t kMinBlocksize = 32;
 constexpr int64_t kMaxBlocksize = 4096;
+// 8-bit blockwise blocks may be longer (bitsandbytes' CPU path takes 16384)
+constexpr int64_t kMaxBlocksize8 = 16384;
 constexpr int64_t kNestedBlocksize = 256;  // block size of the nested absmax
 // Largest element count of any tensor an op takes (2^48). Every entry point
 // rejects larger counts and larger products of dimensions, so each offset a
