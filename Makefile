@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install install-demo lint bazel sanitize fuzz bench clean
+.PHONY: demo test install install-demo lint bazel sanitize fuzz bench bnb-tests clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ demo: install-demo
 bench: install
 	$(BIN)/pip install -q "qwix==0.1.8"
 	$(BIN)/python benchmarks/run.py
+
+# bitsandbytes' own test files against q4torch (README "bitsandbytes API -> q4"):
+#   make bnb-tests BNB_TESTS=/path/to/bitsandbytes/tests [BNB_ARGS='tests/test_functional.py -k ...']
+bnb-tests: install
+	BNB_TESTS="$(BNB_TESTS)" PYTHON=$(BIN)/python scripts/bnb_tests.sh $(BNB_ARGS)
 
 clean:
 	rm -rf build $(VENV)
