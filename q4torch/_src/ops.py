@@ -334,17 +334,28 @@ def gemm_4bit(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """y[..., n] = x[..., k] . dequantize(W)^T (+ bias), fp32 accumulation, W never materialised."""
+    return _gemm(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias, None)
+
+
+def _gemm(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias, activation_quant):
+    """The body of q4::gemm_4bit and q4::gemm_4bit_w4a8 (activation_quant='int8')."""
     packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
     nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
     scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
-    return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias)
+    return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias, activation_quant)
+
+
+def _gemm_fake(x, n, k, blocksize, activation_quant):
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
+    if activation_quant is not None:
+        formats.check_w4a8_features(k, blocksize)
+    return x.new_empty(x.shape[:-1] + (n,))
 
 
 @gemm_4bit.register_fake
 def _(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias):
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
-    return x.new_empty(x.shape[:-1] + (n,))
+    return _gemm_fake(x, n, k, blocksize, None)
 
 
 @torch.library.custom_op("q4::gemm_4bit_w4a8", mutates_args=(), device_types=("cpu", "cuda"))
@@ -362,18 +373,12 @@ def gemm_4bit_w4a8(
 ) -> torch.Tensor:
     """gemm_4bit with x quantized to int8 per row in blocks (W4A8, q4/w4a8.h);
     its gradient is gemm_4bit's (straight through the activation rounding)."""
-    packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
-    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
-    return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias, "int8")
+    return _gemm(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias, "int8")
 
 
 @gemm_4bit_w4a8.register_fake
 def _(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias):
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k}")
-    formats.check_w4a8_features(k, blocksize)
-    return x.new_empty(x.shape[:-1] + (n,))
+    return _gemm_fake(x, n, k, blocksize, "int8")
 
 
 @torch.library.custom_op("q4::gemm_4bit_grad_input", mutates_args=(), device_types=("cpu", "cuda"))
