@@ -118,6 +118,7 @@ def cmd_quantize(args) -> int:
         nested=not args.no_nested,
         skip=tuple(args.skip),
         default_skip=not args.no_default_skip,
+        embeddings=args.embeddings,
     )
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
     if not res.layers:
@@ -318,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--no-default-skip", action="store_true", help="do not skip the default patterns (embeddings, lm_head)"
+    )
+    q.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="quantize the embeddings too (the default embedding patterns; lm_head stays kept): they load as "
+        "q4torch.nn / q4jax.nn Embedding4bit or Embedding8bit (bitsandbytes cannot load quantized embeddings)",
     )
     q.add_argument("-v", "--verbose", action="store_true", help="print one row per quantized layer")
     q.set_defaults(func=cmd_quantize)

@@ -59,7 +59,8 @@ from q4._src.weights import dequantize_weight_4bit, dequantize_weight_int8, quan
 TYPES = formats.LAYER_TYPES
 # Layers that are 2-D ``.weight`` tensors but not linear layers (embeddings), or
 # that are conventionally kept in full precision (the output head).
-DEFAULT_SKIP = ("*embed*", "*wte", "*wpe", "lm_head", "*.lm_head")
+EMBEDDING_PATTERNS = ("*embed*", "*wte", "*wpe")
+DEFAULT_SKIP = (*EMBEDDING_PATTERNS, "lm_head", "*.lm_head")
 _FLOATS = ("float32", "float16", "bfloat16")
 _INDEX_SUFFIX = ".index.json"
 # float weights in other formats are not copied next to the quantized ones
@@ -73,6 +74,7 @@ class Options:
     nested: bool = True  # 4-bit only: quantize the absmax too (bitsandbytes' compress_statistics)
     skip: tuple[str, ...] = ()  # fnmatch patterns on layer names (the key without '.weight')
     default_skip: bool = True  # also skip DEFAULT_SKIP
+    embeddings: bool = False  # quantize the embeddings too (drop EMBEDDING_PATTERNS from the default skips)
 
     def check(self) -> Options:
         formats.check_layer_type(self.quant_type, "--type")
@@ -82,7 +84,10 @@ class Options:
 
     def skipped(self, layer: str) -> str | None:
         """The pattern that excludes this layer, or None."""
-        for pattern in (*self.skip, *(DEFAULT_SKIP if self.default_skip else ())):
+        defaults: tuple[str, ...] = DEFAULT_SKIP if self.default_skip else ()
+        if self.embeddings:
+            defaults = tuple(p for p in defaults if p not in EMBEDDING_PATTERNS)
+        for pattern in (*self.skip, *defaults):
             if fnmatch.fnmatchcase(layer, pattern):
                 return pattern
         return None

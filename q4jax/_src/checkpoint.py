@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx
 
 from q4 import checkpoint as q4_checkpoint
+from q4jax._src.embedding import EMBEDDING_TYPES, Embedding4bit, Embedding8bit, StableEmbedding
 from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
 from q4jax._src.model import check_graph_root, graph_edges, path_name, set_child
 
@@ -22,20 +23,23 @@ logger = logging.getLogger("q4jax")
 
 
 _LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
+# every layer with checkpoint entries (the embeddings' are those of q4torch's layers)
+_LAYER_TYPES = (*_LINEAR_TYPES, *EMBEDDING_TYPES)
 
 
 def _layers(module) -> list[tuple[str, Any]]:
-    return [(path_name(p) + ".", child) for p, _, _, child in graph_edges(module) if isinstance(child, _LINEAR_TYPES)]
+    return [(path_name(p) + ".", child) for p, _, _, child in graph_edges(module) if isinstance(child, _LAYER_TYPES)]
 
 
 def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
-    """Checkpoint entries of every Linear4bit, Linear8bit and nnx.Linear below
+    """Checkpoint entries of every Linear4bit, Linear8bit, nnx.Linear and q4jax
+    embedding layer (Embedding4bit, Embedding8bit, StableEmbedding) below
     ``module`` (itself included), in q4torch's / bitsandbytes' key format: keys
     ``<path>.<entry>`` with torch-style dotted paths; an nnx.Linear saves
     ``weight`` = kernel.T. Every array is a fresh numpy copy."""
     check_graph_root(module, "state_dict")
     layers = _layers(module)
-    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+    if isinstance(module, _LAYER_TYPES):
         layers.insert(0, ("", module))
     out: dict[str, np.ndarray] = {}
     for prefix, layer in layers:
@@ -60,7 +64,7 @@ def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = Tru
     if not isinstance(d, dict):
         raise TypeError(f"load_state_dict expects a dict of arrays, got {type(d).__name__}")
     layers = _layers(module)
-    if isinstance(module, (Linear4bit, Linear8bit, nnx.Linear)):
+    if isinstance(module, _LAYER_TYPES):
         layers.insert(0, ("", module))
     errs: list[str] = []
     used: set[str] = set()
@@ -84,17 +88,19 @@ def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = Tru
 
 
 def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> dict[str, np.ndarray]:
-    """Load a quantized checkpoint's linear layers into an nnx model, in place.
+    """Load a quantized checkpoint's linear (and quantized embedding) layers
+    into an nnx model, in place.
 
     ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
     writes) or a dict of arrays with PyTorch / bitsandbytes keys. Every
     nnx.Linear the checkpoint stores quantized is first replaced by a
-    Linear4bit / Linear8bit with the file's quant type, block size and
-    nesting; then every linear layer of the model (dense or quantized) is
-    loaded from its entries, all validated before anything changes (see
-    load_state_dict). A quantized layer the model does not have as a linear
-    layer is a ValueError naming it. Returns the entries no linear layer
-    used (embeddings, norms: names a model maps itself).
+    Linear4bit / Linear8bit, and every nnx.Embed it stores quantized
+    (``q4 quantize --embeddings``) by an Embedding4bit / Embedding8bit, with
+    the file's quant type, block size and nesting; then every such layer of
+    the model (dense linears included) is loaded from its entries, all
+    validated before anything changes (see load_state_dict). A quantized layer
+    the model has as neither is a ValueError naming it. Returns the entries
+    no layer used (float embeddings, norms: names a model maps itself).
     """
     check_graph_root(module, "load_quantized")
     if isinstance(checkpoint, (str, os.PathLike)):
@@ -104,12 +110,26 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
     groups = q4_checkpoint.quantized_groups(checkpoint)
     plan = {name: group for group, names in groups.items() for name in names}
     edges = {path_name(path): (parent, key, child) for path, parent, key, child in graph_edges(module)}
-    unknown = sorted(n for n in plan if not isinstance(edges.get(n, (None, None, None))[2], _LINEAR_TYPES))
+    targets = (*_LINEAR_TYPES, nnx.Embed, Embedding4bit, Embedding8bit)
+    unknown = sorted(n for n in plan if not isinstance(edges.get(n, (None, None, None))[2], targets))
     if unknown:
-        raise ValueError(f"the checkpoint quantizes layers this model does not have as a linear layer: {unknown}")
+        raise ValueError(
+            f"the checkpoint quantizes layers this model does not have as a linear or embedding layer: {unknown}"
+        )
     replaced: dict[int, nnx.Module] = {}
     for name, (quant_type, blocksize, nested) in plan.items():
         parent, key, child = edges[name]
+        if type(child) is nnx.Embed:
+            if id(child) not in replaced:
+                replaced[id(child)] = (
+                    Embedding8bit.from_embed(child)
+                    if quant_type == "int8"
+                    else Embedding4bit.from_embed(
+                        child, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
+                    )
+                )
+            set_child(parent, key, replaced[id(child)])
+            continue
         if type(child) is not nnx.Linear:
             continue  # already quantized: load_state_dict takes the checkpoint's format
         if id(child) not in replaced:
@@ -121,10 +141,10 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
                 )
             )
         set_child(parent, key, replaced[id(child)])
-    mine: set[str] = set()  # each linear layer's weight entries and bias
-    for prefix, _ in _layers(module):
+    mine: set[str] = set()  # each layer's weight entries and bias (a StableEmbedding's norm)
+    for prefix, layer in _layers(module):
         mine.update(q4_checkpoint.layer_keys(checkpoint, prefix[:-1]))
-        if prefix + "bias" in checkpoint:
-            mine.add(prefix + "bias")
+        extra = ("norm.weight", "norm.bias") if isinstance(layer, StableEmbedding) else ("bias",)
+        mine.update(prefix + k for k in extra if prefix + k in checkpoint)
     load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
     return {k: v for k, v in checkpoint.items() if k not in mine}

@@ -11,6 +11,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from q4._src import formats
+from q4jax._src.embedding import Embedding4bit, Embedding8bit
 from q4jax._src.layers import Linear4bit, Linear8bit
 
 logger = logging.getLogger("q4jax")
@@ -74,6 +75,7 @@ def quantize_model(
     threshold: float = 0.0,
     skip: tuple[str, ...] = ("lm_head",),
     activation_quant: str | None = None,
+    embeddings: bool = False,
 ) -> nnx.Module:
     """Replace every nnx.Linear below ``module`` in place with a Linear4bit
     (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
@@ -84,6 +86,10 @@ def quantize_model(
     replacement is logged on the "q4jax" logger (INFO). ``activation_quant='int8'``
     makes the 4-bit layers W4A8 (README "W4A8"; every replaced layer's
     in_features must be a multiple of its block).
+
+    ``embeddings=True`` also replaces every nnx.Embed (same skip rules) by an
+    Embedding4bit with the same quant_type, blocksize and compress_statistics,
+    or an Embedding8bit for "int8" (q4jax/_src/embedding.py).
     """
     check_graph_root(module, "quantize_model")
     formats.check_layer_type(quant_type)
@@ -96,12 +102,16 @@ def quantize_model(
         formats.check_blocksize(blocksize)
     if isinstance(skip, str):
         skip = (skip,)
-    targets = [(p, parent, key, child) for p, parent, key, child in graph_edges(module) if type(child) is nnx.Linear]
+    kinds = (nnx.Linear, nnx.Embed) if embeddings else (nnx.Linear,)
+    targets = [(p, parent, key, child) for p, parent, key, child in graph_edges(module) if type(child) in kinds]
     replaced: dict[int, nnx.Module] = {}
     for path, parent, key, child in targets:
         name = path_name(path)
         if name in skip or any(str(k) in skip for k in path):
             logger.info("q4jax.quantize_model: kept %s dense (skip list)", name)
+            continue
+        if type(child) is nnx.Embed:
+            _replace_embed(replaced, parent, key, child, name, quant_type, blocksize, compress_statistics)
             continue
         new = replaced.get(id(child))
         if new is None:
@@ -132,3 +142,24 @@ def quantize_model(
             quant_type,
         )
     return module
+
+
+def _replace_embed(replaced, parent, key, child, name, quant_type, blocksize, compress_statistics) -> None:
+    new = replaced.get(id(child))
+    if new is None:
+        if quant_type == "int8":
+            new = Embedding8bit.from_embed(child)
+        else:
+            new = Embedding4bit.from_embed(
+                child, quant_type=quant_type, blocksize=blocksize, compress_statistics=compress_statistics
+            )
+        replaced[id(child)] = new
+    set_child(parent, key, new)
+    logger.info(
+        "q4jax.quantize_model: %s nnx.Embed(%d, %d) -> %s (%s)",
+        name,
+        child.num_embeddings,
+        child.features,
+        type(new).__name__,
+        quant_type,
+    )

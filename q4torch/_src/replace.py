@@ -77,6 +77,7 @@ def replace_linear(
     threshold: float = 0.0,
     skip=("lm_head",),
     activation_quant: str | None = None,
+    embeddings: bool = False,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` in place by a quantized layer
     (``Linear4bit`` for 'nf4'/'fp4', ``Linear8bitLt`` for 'int8'), keeping its
@@ -88,7 +89,13 @@ def replace_linear(
     replaced is logged (logger "q4torch", INFO); returns ``model``.
     ``activation_quant='int8'`` makes the 4-bit layers W4A8 (README "W4A8";
     every replaced layer's in_features must be a multiple of its block).
+
+    ``embeddings=True`` also replaces every ``nn.Embedding`` (same skip rules)
+    by an ``Embedding4bit`` with the same quant_type, blocksize and
+    compress_statistics, or an ``Embedding8bit`` for 'int8'.
     """
+    from q4torch._src.embedding import quantized_embedding
+
     formats.check_layer_type(quant_type)
     formats.check_activation_quant(activation_quant)
     if quant_type != "int8":
@@ -103,8 +110,17 @@ def replace_linear(
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(parent._modules.items()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is not nn.Linear or _skipped(name, skip):
+            is_embedding = embeddings and type(child) is nn.Embedding
+            if (type(child) is not nn.Linear and not is_embedding) or _skipped(name, skip):
                 continue
+            if id(child) not in replaced and is_embedding:
+                try:
+                    replaced[id(child)] = quantized_embedding(child, quant_type, blocksize, compress_statistics)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+                before += child.weight.numel() * child.weight.element_size()
+                after += sum(t.numel() * t.element_size() for t in replaced[id(child)].state_dict().values())
+                names.append(name)
             if id(child) not in replaced:
                 if activation_quant is not None:
                     try:
@@ -120,9 +136,10 @@ def replace_linear(
                 names.append(name)
             setattr(parent, child_name, replaced[id(child)])
     logger.info(
-        "replace_linear(%s): replaced %d nn.Linear layers (%s); weights %.2f MiB -> %.2f MiB",
+        "replace_linear(%s): replaced %d nn.Linear%s layers (%s); weights %.2f MiB -> %.2f MiB",
         quant_type,
         len(names),
+        " / nn.Embedding" if embeddings else "",
         ", ".join(names) if len(names) <= 8 else f"{', '.join(names[:8])}, ...",
         before / 2**20,
         after / 2**20,
@@ -163,11 +180,15 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.M
     ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
     writes) or a state dict of tensors / numpy arrays in the bitsandbytes
     format. Every ``nn.Linear`` that the checkpoint stores quantized is first
-    replaced by a ``Linear4bit`` / ``Linear8bitLt`` built with the file's
-    quant type, block size and nesting; then the whole state dict is loaded
-    (``strict`` as in ``load_state_dict``). A quantized layer the model does
-    not have as a linear layer is a ValueError naming it. Returns ``model``.
+    replaced by a ``Linear4bit`` / ``Linear8bitLt``, and every ``nn.Embedding``
+    it stores quantized (``q4 quantize --embeddings``) by an ``Embedding4bit`` /
+    ``Embedding8bit``, built with the file's quant type, block size and
+    nesting; then the whole state dict is loaded (``strict`` as in
+    ``load_state_dict``). A quantized layer the model has as neither is a
+    ValueError naming it. Returns ``model``.
     """
+    from q4torch._src.embedding import quantized_embedding
+
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = q4.checkpoint.load_file(checkpoint)
     if not isinstance(checkpoint, Mapping):
@@ -175,24 +196,32 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.M
     groups = q4.checkpoint.quantized_groups(_NumpyView(checkpoint))
     modules = dict(model.named_modules(remove_duplicate=False))
     wanted = {name for names in groups.values() for name in names}
-    unknown = sorted(n for n in wanted if type(modules.get(n)) is not nn.Linear and not _is_quantized(modules.get(n)))
+    plain = (nn.Linear, nn.Embedding)
+    unknown = sorted(n for n in wanted if type(modules.get(n)) not in plain and not _is_quantized(modules.get(n)))
     if unknown:
-        raise ValueError(f"the checkpoint quantizes layers this model does not have as nn.Linear: {unknown}")
+        raise ValueError(
+            f"the checkpoint quantizes layers this model does not have as nn.Linear or nn.Embedding: {unknown}"
+        )
     replaced: dict[int, nn.Module] = {}
     for (quant_type, blocksize, nested), names in groups.items():
         for name in names:
             linear = modules[name]
-            if type(linear) is not nn.Linear:
+            if type(linear) not in plain:
                 continue  # already quantized: load_state_dict takes the checkpoint's format
             if id(linear) not in replaced:
-                replaced[id(linear)] = _quantized(linear, quant_type, None, blocksize or 64, bool(nested), 0.0)
+                replaced[id(linear)] = (
+                    quantized_embedding(linear, quant_type, blocksize or 64, bool(nested))
+                    if type(linear) is nn.Embedding
+                    else _quantized(linear, quant_type, None, blocksize or 64, bool(nested), 0.0)
+                )
             model.set_submodule(name, replaced[id(linear)])
     model.load_state_dict({k: _to_torch(v) for k, v in checkpoint.items()}, strict=strict)
     return model
 
 
 def _is_quantized(module) -> bool:
+    from q4torch._src.embedding import Embedding4bit, Embedding8bit
     from q4torch._src.linear4bit import Linear4bit
     from q4torch._src.linear8bit import Linear8bitLt
 
-    return isinstance(module, (Linear4bit, Linear8bitLt))
+    return isinstance(module, (Linear4bit, Linear8bitLt, Embedding4bit, Embedding8bit))
