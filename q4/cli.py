@@ -324,7 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--embeddings",
         action="store_true",
         help="quantize the embeddings too (the default embedding patterns; lm_head stays kept): they load as "
-        "q4torch.nn / q4jax.nn Embedding4bit or Embedding8bit (bitsandbytes cannot load quantized embeddings)",
+        "q4torch.nn / q4jax.nn Embedding4bit or Embedding8bit through load_quantized; bitsandbytes has no "
+        "quantized embeddings, so a model folder's config.json then names model_type q4_quantized_embeddings "
+        "(transformers refuses it instead of misreading the table)",
     )
     q.add_argument("-v", "--verbose", action="store_true", help="print one row per quantized layer")
     q.set_defaults(func=cmd_quantize)

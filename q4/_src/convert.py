@@ -395,6 +395,10 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
     )
 
 
+# model_type of a folder whose embeddings are quantized (see model_config)
+Q4_MODEL_TYPE = "q4_quantized_embeddings"
+
+
 def model_config(path: Path, opts: Options, kept: list[str]) -> bytes | None:
     """A model folder's config.json (a transformers config: a JSON object with
     "model_type") rewritten for the quantized weights, or None for any other
@@ -410,9 +414,24 @@ def model_config(path: Path, opts: Options, kept: list[str]) -> bytes | None:
         return None
     if not isinstance(config, dict) or "model_type" not in config:
         return None
-    if "quantization_config" in config:
+    if "quantization_config" in config or config.get("model_type") == Q4_MODEL_TYPE:
         raise CheckpointError(f"{path}: the model is already quantized (quantization_config in its config.json)")
     skip = sorted({k.rsplit(".", 1)[0] for k in kept if k.endswith(".weight")})
+    if opts.embeddings:
+        # bitsandbytes has no quantized embeddings: with a bitsandbytes config
+        # transformers would load the packed embedding bytes into a float table
+        # (it only warns about the size mismatch), and it ignores an unknown
+        # quant_method. A model type of q4's own makes it (and
+        # sentence-transformers) refuse the folder; q4torch / q4jax
+        # load_quantized read the weights.
+        config["q4"] = {
+            "model_type": config["model_type"],
+            "quant_type": opts.quant_type,
+            "embeddings": True,
+            "load_with": "q4torch.load_quantized / q4jax.load_quantized (no bitsandbytes loader for quantized embeddings)",
+        }
+        config["model_type"] = Q4_MODEL_TYPE
+        return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
     if opts.quant_type == "int8":
         qc = {
             "quant_method": "bitsandbytes",

@@ -112,3 +112,23 @@ def test_a_config_that_is_already_quantized_is_refused_before_any_output(minilm,
     assert main(["quantize", str(src), str(out)]) == 1
     assert "already quantized (quantization_config in its config.json)" in capsys.readouterr().err
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_folder_with_quantized_embeddings_is_refused_by_transformers(minilm, tmp_path):
+    """bitsandbytes has no quantized embeddings: with --embeddings the config
+    names a model type of q4's own, which transformers and
+    sentence-transformers refuse (never a float table filled from packed
+    bytes, or re-initialised); the original type is kept beside it."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    out = tmp_path / "emb"
+    assert main(["quantize", str(minilm), str(out), "--embeddings"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "q4_quantized_embeddings"
+    assert config["q4"]["model_type"] == "bert" and config["q4"]["embeddings"] is True
+    with pytest.raises(ValueError, match="q4_quantized_embeddings"):
+        AutoModel.from_pretrained(out)
+    with pytest.raises(ValueError, match="q4_quantized_embeddings"):
+        SentenceTransformer(str(out), device="cpu")
+    assert main(["quantize", str(out), str(tmp_path / "again")]) == 1  # already quantized
