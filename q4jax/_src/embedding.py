@@ -40,12 +40,11 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn.linear import default_embed_init
 
-from q4 import checkpoint as q4_checkpoint
 from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
 from q4._src.quant_state import QuantState as NpQuantState
 from q4jax._src import ffi
-from q4jax._src.layers import QuantStateVar, _device_copy, _float_dtype_name, _host_copy
+from q4jax._src.layers import QuantStateVar, _device_copy, _float_dtype_name, _host_copy, check_int8_entries
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import QuantState, check_state, quantize_4bit, quantize_int8_weight
 
@@ -464,37 +463,12 @@ class Embedding8bit(_Embedding):
         }
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
-        k_w, k_scb, k_fmt = prefix + "weight", prefix + "SCB", prefix + "weight_format"
-        used.update(k for k in (k_w, k_scb, k_fmt) if k in d)
-        n = len(errs)
-        if k_fmt in d:
-            try:
-                fmt = q4_checkpoint.parse_weight_format(d[k_fmt], k_fmt)
-            except q4_checkpoint.CheckpointError as e:
-                errs.append(str(e))
-            else:
-                if fmt != "row":
-                    errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt!r}")
-        if k_w not in d:
-            errs.append(f"missing key '{k_w}'")
-            return None
-        w = np.asarray(d[k_w])
         shape = (self.num_embeddings, self.features)
-        if w.shape != shape:
-            errs.append(f"size mismatch for '{k_w}': checkpoint has {w.shape}, the table is {shape}")
+        found = check_int8_entries(d, prefix, shape, "the table", errs, used)
+        if found is None:
             return None
-        if w.dtype == np.int8:
-            if k_scb not in d:
-                errs.append(f"missing key '{k_scb}': an int8 '{k_w}' needs its row scales")
-                return None
-            scb = np.asarray(d[k_scb])
-            if scb.dtype.name not in _FLOAT_DTYPES or scb.shape != (self.num_embeddings,):
-                errs.append(
-                    f"'{k_scb}' must be a float array of shape ({self.num_embeddings},), got {scb.dtype} {scb.shape}"
-                )
-                return None
-            if len(errs) > n:
-                return None
+        w, scb = found
+        if scb is not None:
             cb_dev, scb_dev = _device_copy(w), _device_copy(scb, np.float32)
 
             def apply() -> None:
@@ -502,18 +476,12 @@ class Embedding8bit(_Embedding):
                 self.SCB.set_value(scb_dev)
 
             return apply
-        if w.dtype.name in _FLOAT_DTYPES:
-            if k_scb in d:
-                errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
-                return None
-            table = _host_copy(w)
+        table = _host_copy(w)
 
-            def apply_float() -> None:
-                self.set_weight(table)
+        def apply_float() -> None:
+            self.set_weight(table)
 
-            return apply_float
-        errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
-        return None
+        return apply_float
 
 
 class StableEmbedding(_Embedding):

@@ -480,38 +480,12 @@ class Linear8bit(_QuantLinear):
         return out
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
-        k_w, k_scb, k_fmt = prefix + "weight", prefix + "SCB", prefix + "weight_format"
-        used.update(k for k in (k_w, k_scb, k_fmt) if k in d)
         bias_apply = _plan_bias(self, d, prefix, errs, used)
-        n = len(errs)
-        if k_fmt in d:
-            try:
-                fmt = q4_checkpoint.parse_weight_format(d[k_fmt], k_fmt)
-            except q4_checkpoint.CheckpointError as e:
-                errs.append(str(e))
-            else:
-                if fmt != "row":
-                    errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt!r}")
-        if k_w not in d:
-            errs.append(f"missing key '{k_w}'")
+        found = check_int8_entries(d, prefix, (self.out_features, self.in_features), "the layer", errs, used)
+        if found is None:
             return None
-        w = np.asarray(d[k_w])
-        shape = (self.out_features, self.in_features)
-        if w.shape != shape:
-            errs.append(f"size mismatch for '{k_w}': checkpoint has {w.shape}, the layer is {shape}")
-            return None
-        if w.dtype == np.int8:
-            if k_scb not in d:
-                errs.append(f"missing key '{k_scb}': an int8 '{k_w}' needs its row scales")
-                return None
-            scb = np.asarray(d[k_scb])
-            if scb.dtype.name not in _FLOAT_DTYPES or scb.shape != (self.out_features,):
-                errs.append(
-                    f"'{k_scb}' must be a float array of shape ({self.out_features},), got {scb.dtype} {scb.shape}"
-                )
-                return None
-            if len(errs) > n:
-                return None
+        w, scb = found
+        if scb is not None:
             cb_dev, scb_dev = _device_copy(w), _device_copy(scb, np.float32)
 
             def apply():
@@ -523,21 +497,58 @@ class Linear8bit(_QuantLinear):
                 self._place_bias(self.sharding)
 
             return apply
-        if w.dtype.name in _FLOAT_DTYPES:
-            if k_scb in d:
-                errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
-                return None
-            w_host = _host_copy(w)
+        w_host = _host_copy(w)
 
-            def apply_float() -> None:
-                self.set_weight(w_host)
-                if bias_apply:
-                    bias_apply()
-                self._place_bias(self.sharding)
+        def apply_float() -> None:
+            self.set_weight(w_host)
+            if bias_apply:
+                bias_apply()
+            self._place_bias(self.sharding)
 
-            return apply_float
-        errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
+        return apply_float
+
+
+def check_int8_entries(
+    d: dict, prefix: str, shape: tuple[int, int], what: str, errs: list[str], used: set[str]
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """The checkpoint entries of an LLM.int8 weight (a Linear8bit's or an
+    Embedding8bit's) checked against its `shape`: (int8 CB, its SCB) or (a
+    float weight to quantize, None); None after appending to `errs` (every
+    problem, with the key) when they are unusable."""
+    k_w, k_scb, k_fmt = prefix + "weight", prefix + "SCB", prefix + "weight_format"
+    used.update(k for k in (k_w, k_scb, k_fmt) if k in d)
+    n = len(errs)
+    if k_fmt in d:
+        try:
+            fmt = q4_checkpoint.parse_weight_format(d[k_fmt], k_fmt)
+        except q4_checkpoint.CheckpointError as e:
+            errs.append(str(e))
+        else:
+            if fmt != "row":
+                errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt!r}")
+    if k_w not in d:
+        errs.append(f"missing key '{k_w}'")
         return None
+    w = np.asarray(d[k_w])
+    if w.shape != shape:
+        errs.append(f"size mismatch for '{k_w}': checkpoint has {w.shape}, {what} is {shape}")
+        return None
+    if w.dtype == np.int8:
+        if k_scb not in d:
+            errs.append(f"missing key '{k_scb}': an int8 '{k_w}' needs its row scales")
+            return None
+        scb = np.asarray(d[k_scb])
+        if scb.dtype.name not in _FLOAT_DTYPES or scb.shape != (shape[0],):
+            errs.append(f"'{k_scb}' must be a float array of shape ({shape[0]},), got {scb.dtype} {scb.shape}")
+            return None
+        return None if len(errs) > n else (w, scb)
+    if w.dtype.name in _FLOAT_DTYPES:
+        if k_scb in d:
+            errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
+            return None
+        return None if len(errs) > n else (w, None)
+    errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
+    return None
 
 
 def _plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
