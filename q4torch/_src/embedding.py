@@ -54,7 +54,7 @@ from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as qf
 from q4torch._src import ops
 from q4torch._src.linear4bit import Params4bit
-from q4torch._src.linear8bit import Int8Params
+from q4torch._src.linear8bit import Int8Params, apply_keeping_scb
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -360,19 +360,7 @@ class Embedding8bit(nn.Embedding):
         return (rows * (stats / 127.0)).to(self.dtype)
 
     def _apply(self, fn, recurse=True):
-        # Module._apply may keep the Parameter object and swap its data, which
-        # would leave SCB (a plain attribute) and CB behind on the old device.
-        w = self.weight
-        scb = getattr(w, "SCB", None) if w.dtype == torch.int8 else None
-        super()._apply(fn, recurse)
-        w = self.weight
-        if isinstance(w, Int8Params) and w.dtype == torch.int8:
-            if w.SCB is None:
-                w.SCB = scb
-            if w.SCB is not None and w.SCB.device != w.device and w.device.type != "meta":
-                w.SCB = w.SCB.to(w.device)
-            w.CB = w.data
-        return self
+        return apply_keeping_scb(self, super()._apply, fn, recurse)
 
     # -- checkpoints
 

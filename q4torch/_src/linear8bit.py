@@ -53,6 +53,23 @@ def _is_int8(w: torch.Tensor | None) -> bool:
     return w is not None and w.dtype == torch.int8
 
 
+def apply_keeping_scb(module: nn.Module, module_apply, fn, recurse: bool):
+    """Module._apply for a module holding an Int8Params ``weight``: _apply may
+    keep the Parameter object and swap its data, which would leave SCB (a
+    plain attribute) and CB behind on the old device."""
+    w = module.weight
+    scb = getattr(w, "SCB", None) if _is_int8(w) else None
+    module_apply(fn, recurse)
+    w = module.weight
+    if isinstance(w, Int8Params) and _is_int8(w):
+        if w.SCB is None:
+            w.SCB = scb
+        if w.SCB is not None and w.SCB.device != w.device and w.device.type != "meta":
+            w.SCB = w.SCB.to(w.device)
+        w.CB = w.data
+    return module
+
+
 def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(CB int8 [out, in], SCB fp32 [out]) of a 2-D float weight, exactly as
     bitsandbytes' Int8Params quantizes it: the weight is rounded to fp16 first."""
@@ -283,19 +300,7 @@ class Linear8bitLt(nn.Linear):
     # -- device moves
 
     def _apply(self, fn, recurse=True):
-        # Module._apply may keep the Parameter object and swap its data, which
-        # would leave SCB (a plain attribute) and CB behind on the old device.
-        w = self.weight
-        scb = getattr(w, "SCB", None) if _is_int8(w) else None
-        super()._apply(fn, recurse)
-        w = self.weight
-        if isinstance(w, Int8Params) and _is_int8(w):
-            if w.SCB is None:
-                w.SCB = scb
-            if w.SCB is not None and w.SCB.device != w.device and w.device.type != "meta":
-                w.SCB = w.SCB.to(w.device)
-            w.CB = w.data
-        return self
+        return apply_keeping_scb(self, super()._apply, fn, recurse)
 
     # -- checkpoints
 
