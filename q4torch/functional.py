@@ -722,6 +722,8 @@ def matmul_4bit(
         and isinstance(quant_state, QuantState)
         and isinstance(A, torch.Tensor)
         and A.numel() != 0
+        and quant_state.shape is not None
+        and len(quant_state.shape) == 2
         and A.shape[-1] == quant_state.shape[-1]  # (else an error, or the [K, N] orientation below)
         and _eager_cpu(A, bias)
     ):

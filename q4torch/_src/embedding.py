@@ -53,7 +53,7 @@ from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as qf
 from q4torch._src import ops
-from q4torch._src.linear4bit import Params4bit
+from q4torch._src.linear4bit import Params4bit, load_all_but_weight
 from q4torch._src.linear8bit import Int8Params, apply_keeping_scb
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
@@ -230,20 +230,20 @@ class Embedding4bit(nn.Embedding):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
         weight_key = prefix + "weight"
-        quant_keys = [k for k in state_dict if k.startswith(weight_key + ".")]
-        rest = {k: v for k, v in state_dict.items() if k != weight_key and k not in quant_keys}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs)
-        if weight_key in missing_keys:
-            missing_keys.remove(weight_key)
-        if weight_key not in state_dict:
-            if quant_keys:
-                errs.append(f"'{weight_key}' is missing but its quantization entries are present")
-            else:
-                missing_keys.append(weight_key)
+        found = load_all_but_weight(
+            super()._load_from_state_dict,
+            state_dict,
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            errs,
+        )
+        if found is None:
             return
-        data = state_dict[weight_key]
+        data, stats = found
         shape = (self.num_embeddings, self.embedding_dim)
-        stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
         try:
             if not isinstance(data, torch.Tensor):
                 raise TypeError(f"'{weight_key}' must be a tensor, got {type(data).__name__}")
@@ -257,9 +257,9 @@ class Embedding4bit(nn.Embedding):
                     )
                 self.weight = new
                 self.quant_state = new.quant_state
-            elif quant_keys:
+            elif stats:
                 raise q4.QuantStateError(
-                    f"'{weight_key}' has quantization entries {sorted(quant_keys)} but no "
+                    f"'{weight_key}' has quantization entries {sorted(weight_key + '.' + k for k in stats)} but no "
                     f"'{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' entry"
                 )
             else:

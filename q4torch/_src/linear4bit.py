@@ -263,6 +263,27 @@ def is_dtensor(t: Any) -> bool:
     return tensor_mod is not None and isinstance(t, tensor_mod.DTensor)
 
 
+def load_all_but_weight(module_load, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
+    """The standard load (module_load: nn.Module._load_from_state_dict) of
+    everything but a quantized ``weight`` and its ``weight.*`` entries (bias,
+    extra parameters); then (weight data, {entry: value}) or None when the
+    weight is absent (recorded as missing, or an error if only its entries are
+    there)."""
+    weight_key = prefix + "weight"
+    quant_keys = [k for k in state_dict if k.startswith(weight_key + ".")]
+    rest = {k: v for k, v in state_dict.items() if k != weight_key and k not in quant_keys}
+    module_load(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs)
+    if weight_key in missing_keys:
+        missing_keys.remove(weight_key)
+    if weight_key not in state_dict:
+        if quant_keys:
+            errs.append(f"'{weight_key}' is missing but its quantization entries are present")
+        else:
+            missing_keys.append(weight_key)
+        return None
+    return state_dict[weight_key], {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
+
+
 class Linear4bit(nn.Linear):
     """A linear layer with a 4-bit weight (NF4 or FP4, blockwise, optionally
     nested absmax), as bitsandbytes.nn.Linear4bit.
@@ -390,21 +411,20 @@ class Linear4bit(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
         weight_key = prefix + "weight"
-        quant_keys = [k for k in state_dict if k.startswith(weight_key + ".")]
-        # everything but the weight goes through the standard path (bias, extra params)
-        rest = {k: v for k, v in state_dict.items() if k != weight_key and k not in quant_keys}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs)
-        if weight_key in missing_keys:
-            missing_keys.remove(weight_key)
-        if weight_key not in state_dict:
-            if quant_keys:
-                errs.append(f"'{weight_key}' is missing but its quantization entries are present")
-            else:
-                missing_keys.append(weight_key)
+        found = load_all_but_weight(
+            super()._load_from_state_dict,
+            state_dict,
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            errs,
+        )
+        if found is None:
             return
-        data = state_dict[weight_key]
+        data, stats = found
         device = self.weight.device
-        stats = {k[len(weight_key) + 1 :]: state_dict[k] for k in quant_keys}
         try:
             if is_dtensor(self.weight):
                 from q4torch._src import fsdp  # torch.distributed.tensor is loaded (the weight is a DTensor)
@@ -415,9 +435,9 @@ class Linear4bit(nn.Linear):
                 self.check_state_shape(weight_key, new.quant_state)
                 self.weight = new
                 self.quant_state = new.quant_state
-            elif quant_keys:
+            elif stats:
                 raise q4.QuantStateError(
-                    f"'{weight_key}' has quantization entries {sorted(quant_keys)} but no "
+                    f"'{weight_key}' has quantization entries {sorted(weight_key + '.' + k for k in stats)} but no "
                     f"'{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' entry"
                 )
             else:

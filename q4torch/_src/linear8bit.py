@@ -57,10 +57,10 @@ def apply_keeping_scb(module: nn.Module, module_apply, fn, recurse: bool):
     """Module._apply for a module holding an Int8Params ``weight``: _apply may
     keep the Parameter object and swap its data, which would leave SCB (a
     plain attribute) and CB behind on the old device."""
-    w = module.weight
+    w = cast(torch.Tensor, module.weight)
     scb = getattr(w, "SCB", None) if _is_int8(w) else None
     module_apply(fn, recurse)
-    w = module.weight
+    w = cast(torch.Tensor, module.weight)
     if isinstance(w, Int8Params) and _is_int8(w):
         if w.SCB is None:
             w.SCB = scb
