@@ -68,8 +68,10 @@ class Input:
         return b % valid if b < 224 else b - 224 + valid
 
 
-def _pow2_block(bs: int) -> bool:
-    return 32 <= bs <= 4096 and bs & (bs - 1) == 0
+def _pow2_block(bs: int, top: int = 4096) -> bool:
+    """A block size the library takes: a power of two in [32, 4096] (8-bit
+    blockwise ops: up to 16384)."""
+    return 32 <= bs <= top and bs & (bs - 1) == 0
 
 
 def _count_ok(*xs: int) -> bool:
@@ -134,7 +136,7 @@ def _case_blockwise(inp: Input, lib, buf: _Buffers, dequant: bool):
     n, bs, dt = inp.count(), inp.count() if inp.byte() & 1 else 256, inp.code(3)
     cs = inp.count() if inp.byte() < 32 else n
     ab = inp.count() if inp.byte() < 32 else (_cdiv(n, bs) if bs > 0 else 0)
-    valid = _count_ok(n) and _pow2_block(bs) and dt in ELEM_BYTES and ab == _cdiv(n, bs) and (dequant or cs == n)
+    valid = _count_ok(n) and _pow2_block(bs, 16384) and dt in ELEM_BYTES and ab == _cdiv(n, bs) and (dequant or cs == n)
     if valid and max(n, ab) > ALLOC_LIMIT:
         return None
     eb = ELEM_BYTES.get(dt, 4)
