@@ -72,11 +72,11 @@ def main() -> dict:
         xd = x.to(torch.bfloat16)
         with torch.inference_mode():
             calls = {
-                "q4 W4A8": lambda: w4a8(x),
-                "q4jax W4A8": lambda: jfwd(jl, xj).block_until_ready(),
-                "q4 default": lambda: default(x),
-                "bitsandbytes": lambda: theirs(x),
-                "dense bf16": lambda: dense(xd),
+                "q4 W4A8": lambda x=x: w4a8(x),
+                "q4jax W4A8": lambda xj=xj: jfwd(jl, xj).block_until_ready(),
+                "q4 default": lambda x=x: default(x),
+                "bitsandbytes": lambda x=x: theirs(x),
+                "dense bf16": lambda xd=xd: dense(xd),
             }
             t = interleaved(calls, rounds=9 if m < 512 else 5)
             e = {
