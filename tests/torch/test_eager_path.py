@@ -164,8 +164,8 @@ def test_bad_inputs_are_refused_on_the_direct_call(rng):
             F.matmul_4bit(torch.zeros(1, 256, dtype=torch.int32), packed.t(), qs)
         with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
             F.matmul_4bit(torch.zeros(1, 256), packed.t(), qs, bias=torch.zeros(63))
-        with pytest.raises(ValueError, match="empty input"):
-            F.matmul_4bit(torch.zeros(0, 256), packed.t(), qs)
+        # no rows is not an error (bitsandbytes returns an empty result too)
+        assert F.matmul_4bit(torch.zeros(0, 256), packed.t(), qs).shape == (0, 64)
 
 
 def test_layer_in_eval_inference_mode_equals_the_op(rng, op_calls):
