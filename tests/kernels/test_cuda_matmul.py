@@ -176,14 +176,15 @@ def make_input(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32).astype(NP_DTYPES[dtype])
 
 
-def cuda_gemm_4bit(x, w: Weight4, bias=None, packed=None, nested_code=None) -> np.ndarray:
-    """x: device tensor [m, k]; returns Y [m, n] on the host (x's dtype)."""
+def cuda_gemm_4bit(x, w: Weight4, bias=None, packed=None, nested_code=None, op="gemm_4bit") -> np.ndarray:
+    """x: device tensor [m, k]; returns Y [m, n] on the host (x's dtype);
+    op="gemm_4bit_w4a8": the W4A8 kernel, same arguments."""
     (n, k), m = w.state.shape, x.shape[0]
     dtype = str(x.dtype).removeprefix("torch.")
     out = empty((m, n), dtype)
     packed = w.device["packed"] if packed is None else packed
     call_cuda(
-        "gemm_4bit",
+        op,
         ptr(x),
         DTYPE_CODES[dtype],
         m,
@@ -258,6 +259,31 @@ def test_gemm_4bit(request, m, n, k, bs, qt, nested, dt):
     cuda = cuda_gemm_4bit(to_device(x), w, None if bias is None else to_device(bias))
     ref, bound = forward_reference(x, w.dequantized, bias)
     assert_close(cuda, cpu, ref, bound, k, dt)
+
+
+W4A8_CASES = [
+    (m, n, k, bs, qt, nested, dt)
+    for m in (1, 7, 64)
+    for n, k in ((128, 2048), (72, 192))
+    for bs in (32, 64, 256)
+    for qt in QUANT_TYPE_CODES
+    for nested in (False, True)
+    for dt in DTYPES
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("m, n, k, bs, qt, nested, dt", W4A8_CASES)
+def test_gemm_4bit_w4a8_equals_the_cpu_bits(request, m, n, k, bs, qt, nested, dt):
+    """W4A8's contract (q4/w4a8.h) fixes every operation and its order: the
+    CUDA kernel gives the CPU's bytes."""
+    rng = rng_for(request.node.callspec.id)
+    w = make_weight(rng, n, k, bs, qt, nested)
+    x = make_input(rng, (m, k), dt)
+    bias = make_input(rng, (n,), dt) if m % 2 else None
+    cpu = q4.gemm_4bit(x, w.packed, w.state, bias, activation_quant="int8")
+    cuda = cuda_gemm_4bit(to_device(x), w, None if bias is None else to_device(bias), op="gemm_4bit_w4a8")
+    assert cuda.dtype == cpu.dtype and cuda.tobytes() == cpu.tobytes()
 
 
 @requires_gpu
@@ -491,6 +517,11 @@ def test_gemm_4bit_rejects_a_bad_blocksize():
         1,
         b"blocksize must be a power of two in [32, 4096], got 48",
     )
+
+
+def test_gemm_4bit_w4a8_rejects_k_off_the_block():
+    status, message = both("gemm_4bit_w4a8", *gemm_args())
+    assert status == 1 and b"multiple of 64" in message and b"got k = 100" in message
 
 
 def test_gemm_4bit_rejects_wrong_sizes():
