@@ -734,6 +734,24 @@ def load_file(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
     return tensors
 
 
+def load_checkpoint(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
+    """A checkpoint as numpy arrays, from a .safetensors file, a sharded
+    checkpoint's ``*.index.json``, or a directory holding either (what ``q4
+    quantize`` writes): every shard read, a name in two shards refused."""
+    from q4._src.convert import input_files  # (convert imports this module)
+
+    files, _ = input_files(Path(path))
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        for key, value in load_file(f, check_layers=False).items():
+            if key in tensors:
+                raise CheckpointError(f"{f}: tensor {short_repr(key)} is also in another shard")
+            tensors[key] = value
+    if check_layers:
+        validate(tensors)
+    return tensors
+
+
 def load_metadata(path) -> dict[str, str]:
     """The header's ``__metadata__`` (``q4.layers`` is JSON describing the
     quantized layers: checked to parse as an object of objects)."""

@@ -91,8 +91,9 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
     """Load a quantized checkpoint's linear (and quantized embedding) layers
     into an nnx model, in place.
 
-    ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
-    writes) or a dict of arrays with PyTorch / bitsandbytes keys. Every
+    ``checkpoint`` is a path (a safetensors file, a sharded checkpoint's
+    ``*.index.json``, or a model folder as ``q4 quantize DIR OUT`` writes) or
+    a dict of arrays with PyTorch / bitsandbytes keys. Every
     nnx.Linear the checkpoint stores quantized is first replaced by a
     Linear4bit / Linear8bit, and every nnx.Embed it stores quantized
     (``q4 quantize --embeddings``) by an Embedding4bit / Embedding8bit, with
@@ -104,7 +105,7 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
     """
     check_graph_root(module, "load_quantized")
     if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = q4_checkpoint.load_file(checkpoint)
+        checkpoint = q4_checkpoint.load_checkpoint(checkpoint)
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"checkpoint must be a path or a dict of arrays, got {type(checkpoint).__name__}")
     groups = q4_checkpoint.quantized_groups(checkpoint)

@@ -177,9 +177,10 @@ class _NumpyView(Mapping):
 def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.Module:
     """Load a quantized checkpoint into a float model, in place.
 
-    ``checkpoint`` is a path to a safetensors file (what ``q4 quantize``
-    writes) or a state dict of tensors / numpy arrays in the bitsandbytes
-    format. Every ``nn.Linear`` that the checkpoint stores quantized is first
+    ``checkpoint`` is a path (a safetensors file, a sharded checkpoint's
+    ``*.index.json``, or a model folder as ``q4 quantize DIR OUT`` writes) or
+    a state dict of tensors / numpy arrays in the bitsandbytes format; entries
+    naming one of the model's non-persistent buffers are ignored. Every ``nn.Linear`` that the checkpoint stores quantized is first
     replaced by a ``Linear4bit`` / ``Linear8bitLt``, and every ``nn.Embedding``
     it stores quantized (``q4 quantize --embeddings``) by an ``Embedding4bit`` /
     ``Embedding8bit``, built with the file's quant type, block size and
@@ -190,9 +191,15 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.M
     from q4torch._src.embedding import quantized_embedding
 
     if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = q4.checkpoint.load_file(checkpoint)
+        checkpoint = q4.checkpoint.load_checkpoint(checkpoint)
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"checkpoint must be a path or a state dict, got {type(checkpoint).__name__}")
+    # entries for the model's non-persistent buffers (transformers' position_ids,
+    # saved by older versions) are not state: load_state_dict would call them unexpected
+    transient = {
+        f"{name}.{b}" if name else b for name, m in model.named_modules() for b in m._non_persistent_buffers_set
+    }
+    checkpoint = {k: v for k, v in checkpoint.items() if k not in transient}
     groups = q4.checkpoint.quantized_groups(_NumpyView(checkpoint))
     modules = dict(model.named_modules(remove_duplicate=False))
     wanted = {name for names in groups.values() for name in names}

