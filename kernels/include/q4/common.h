@@ -125,6 +125,16 @@ struct Elem<bf16_t> {
   Q4_HD static void store(bf16_t* p, int64_t i, float v) { p[i].bits = f32_to_bf16(v); }
 };
 
+// s rounded half to even, for |s| < 2^22 (the int8 quantizers' last step).
+Q4_HD int round_half_even_small(float s) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(s);
+#else
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (s + M) - M rounds |s| < 2^22 half-even
+  return int((s + kRoundMagic) - kRoundMagic);
+#endif
+}
+
 // ceil(a / b) for b > 0, without forming a + b (0 for a <= 0).
 Q4_HD int64_t ceil_div(int64_t a, int64_t b) { return a <= 0 ? 0 : 1 + (a - 1) / b; }
 Q4_HD bool is_pow2(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }

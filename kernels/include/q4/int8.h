@@ -30,12 +30,7 @@ Q4_HD int8_t quantize(float x, float mult) {
   float s = x * mult;
   if (!(s == s)) return 0;
   s = s < -127.0f ? -127.0f : (s > 127.0f ? 127.0f : s);
-#if defined(__CUDA_ARCH__)
-  return int8_t(__float2int_rn(s));
-#else
-  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (s + M) - M rounds |s| < 2^22 half-even
-  return int8_t(int((s + kRoundMagic) - kRoundMagic));
-#endif
+  return int8_t(round_half_even_small(s));
 }
 
 }  // namespace int8

@@ -73,15 +73,7 @@ Q4_HD ActScale act_scale(float amax) {
 }
 
 // q of one element given its block's inv (|x| <= amax, so |x * inv| <= 127).
-Q4_HD int8_t act_quantize(float x, float inv) {
-  const float s = x * inv;
-#if defined(__CUDA_ARCH__)
-  return int8_t(__float2int_rn(s));
-#else
-  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: (s + M) - M rounds |s| < 2^22 half-even
-  return int8_t(int((s + kRoundMagic) - kRoundMagic));
-#endif
-}
+Q4_HD int8_t act_quantize(float x, float inv) { return int8_t(round_half_even_small(x * inv)); }
 
 }  // namespace w4a8
 }  // namespace q4
