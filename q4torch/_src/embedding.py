@@ -49,12 +49,11 @@ from torch import nn
 
 import q4
 from q4._src import formats
-from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as qf
 from q4torch._src import ops
 from q4torch._src.linear4bit import Params4bit, load_all_but_weight
-from q4torch._src.linear8bit import Int8Params, apply_keeping_scb
+from q4torch._src.linear8bit import Int8Params, apply_keeping_scb, check_weight_format
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -383,15 +382,7 @@ class Embedding8bit(nn.Embedding):
         n_errs = len(errs)
         shape = (self.num_embeddings, self.embedding_dim)
         w = self.weight
-        if k_fmt in state_dict:
-            fmt = state_dict[k_fmt]
-            try:
-                fmt = parse_weight_format(fmt.detach().cpu() if isinstance(fmt, torch.Tensor) else fmt, k_fmt)
-            except CheckpointError as e:
-                errs.append(str(e))
-            else:
-                if fmt != "row":
-                    errs.append(f"{k_fmt}: only the row-major format (0 or 'row') is supported, got {fmt!r}")
+        check_weight_format(state_dict, k_fmt, errs)
         new_w = new_scb = None
         w_in, scb_in = state_dict.get(k_w), state_dict.get(k_scb)
         device = w.device

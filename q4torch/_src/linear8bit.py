@@ -70,6 +70,21 @@ def apply_keeping_scb(module: nn.Module, module_apply, fn, recurse: bool):
     return module
 
 
+def check_weight_format(state_dict, k_fmt: str, errs: list[str]) -> None:
+    """An LLM.int8 checkpoint's optional ``weight_format`` entry must name the
+    row-major layout; anything else is appended to errs with the key."""
+    if k_fmt not in state_dict:
+        return
+    fmt = state_dict[k_fmt]
+    try:
+        fmt = parse_weight_format(fmt.detach().cpu() if isinstance(fmt, torch.Tensor) else fmt, k_fmt)
+    except CheckpointError as e:
+        errs.append(str(e))
+    else:
+        if fmt != "row":
+            errs.append(f"{k_fmt}: only the row-major format (0 or 'row') is supported, got {fmt!r}")
+
+
 def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(CB int8 [out, in], SCB fp32 [out]) of a 2-D float weight, exactly as
     bitsandbytes' Int8Params quantizes it: the weight is rounded to fp16 first."""
@@ -329,15 +344,7 @@ class Linear8bitLt(nn.Linear):
         w = self.weight
         out_f, in_f = self.out_features, self.in_features
 
-        if k_fmt in state_dict:
-            fmt = state_dict[k_fmt]
-            try:
-                fmt = parse_weight_format(fmt.detach().cpu() if isinstance(fmt, torch.Tensor) else fmt, k_fmt)
-            except CheckpointError as e:
-                errs.append(str(e))
-            else:
-                if fmt != "row":
-                    errs.append(f"{k_fmt}: only the row-major format (0 or 'row') is supported, got {fmt!r}")
+        check_weight_format(state_dict, k_fmt, errs)
 
         new_w = new_scb = None
         w_in, scb_in = state_dict.get(k_w), state_dict.get(k_scb)
