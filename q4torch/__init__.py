@@ -20,6 +20,7 @@ _share_threads()
 
 __all__ = [
     "MatmulLtState",
+    "Q4Config",
     "QuantState",
     "QuantStateLoadPlanner",
     "fully_shard",
@@ -37,6 +38,10 @@ _FSDP_NAMES = ("QuantStateLoadPlanner", "fully_shard")
 
 
 def __getattr__(name: str):
+    if name == "Q4Config":  # imports transformers and registers q4 with it (q4torch.hf)
+        from q4torch.hf import Q4Config
+
+        return Q4Config
     if name in _FSDP_NAMES:
         from q4torch._src import fsdp
 

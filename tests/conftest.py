@@ -84,3 +84,18 @@ def module_isa(request):
     (``pytestmark = pytest.mark.usefixtures("module_isa")``)."""
     with on_isa(request.module.ISA) as name:
         yield name
+
+
+@pytest.fixture
+def bitsandbytes_backend():
+    """transformers' "bitsandbytes" method served by bitsandbytes itself for one
+    test, whether or not q4torch.hf (which makes q4 serve it) was imported."""
+    hf = sys.modules.get("q4torch._src.hf")
+    if hf is None:
+        yield
+        return
+    hf.restore_bitsandbytes()
+    try:
+        yield
+    finally:
+        hf.use_for_bitsandbytes()

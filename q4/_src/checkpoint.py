@@ -797,3 +797,34 @@ def inspect_file(path) -> dict:
         other = sum(r.nbytes(k) for k in entries if k not in owned)
         r.check_size()
         return {"layers": out, "other_bytes": other, "file_bytes": r.size}
+
+
+def bitsandbytes_quantization_config(
+    quant_type: str, *, nested: bool = True, skip_modules: list[str] | None = None, threshold: float = 6.0
+) -> dict:
+    """The transformers ``quantization_config`` (config.json form, a
+    bitsandbytes config) that describes layers quantized in q4's format, which
+    is bitsandbytes': 'nf4' / 'fp4' (nested absmax or not) or 'int8'
+    (LLM.int8, outlier ``threshold``). ``skip_modules``: the modules kept in
+    full precision (None: transformers' default, the output head)."""
+    formats.check_layer_type(quant_type)
+    if quant_type == "int8":
+        qc: dict = {
+            "quant_method": "bitsandbytes",
+            "load_in_8bit": True,
+            "load_in_4bit": False,
+            "llm_int8_threshold": float(threshold),
+            "llm_int8_has_fp16_weight": False,
+        }
+    else:
+        qc = {
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "load_in_8bit": False,
+            "bnb_4bit_quant_type": quant_type,
+            "bnb_4bit_use_double_quant": bool(nested),
+            "bnb_4bit_compute_dtype": "float32",
+            "bnb_4bit_quant_storage": "uint8",
+        }
+    qc["llm_int8_skip_modules"] = skip_modules
+    return qc

@@ -47,6 +47,7 @@ from q4._src.checkpoint import (
     CheckpointError,
     Reader,
     Writer,
+    bitsandbytes_quantization_config,
     copy_atomic,
     header_bound,
     validate,
@@ -432,25 +433,7 @@ def model_config(path: Path, opts: Options, kept: list[str]) -> bytes | None:
         }
         config["model_type"] = Q4_MODEL_TYPE
         return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
-    if opts.quant_type == "int8":
-        qc = {
-            "quant_method": "bitsandbytes",
-            "load_in_8bit": True,
-            "load_in_4bit": False,
-            "llm_int8_threshold": 6.0,
-            "llm_int8_has_fp16_weight": False,
-        }
-    else:
-        qc = {
-            "quant_method": "bitsandbytes",
-            "load_in_4bit": True,
-            "load_in_8bit": False,
-            "bnb_4bit_quant_type": opts.quant_type,
-            "bnb_4bit_use_double_quant": bool(opts.nested),
-            "bnb_4bit_compute_dtype": "float32",
-            "bnb_4bit_quant_storage": "uint8",
-        }
-    qc["llm_int8_skip_modules"] = skip
+    qc = bitsandbytes_quantization_config(opts.quant_type, nested=bool(opts.nested), skip_modules=skip)
     config["quantization_config"] = qc
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 

@@ -64,7 +64,7 @@ def test_config_describes_the_quantized_weights(folders, minilm, kind):
 
 
 @pytest.mark.parametrize("kind, min_cos", [("nf4", 0.95), ("int8", 0.99)])
-def test_transformers_and_sentence_transformers_load_it(folders, minilm, kind, min_cos):
+def test_transformers_and_sentence_transformers_load_it(folders, minilm, kind, min_cos, bitsandbytes_backend):
     import bitsandbytes as bnb
     from safetensors.numpy import load_file
     from sentence_transformers import SentenceTransformer

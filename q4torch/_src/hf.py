@@ -1,0 +1,468 @@
+"""transformers integration: q4 as a quantization method of ``from_pretrained``.
+
+Importing this module (``import q4torch.hf``, or touching ``q4torch.Q4Config``)
+registers, through transformers' public registration API, the method "q4"
+(:class:`Q4Config`, :class:`Q4HfQuantizer`), and makes q4 the backend of the
+"bitsandbytes" method too (4-bit and 8-bit): folders that bitsandbytes or
+``q4 quantize`` wrote load into q4torch layers, with or without the
+bitsandbytes package (:func:`use_for_bitsandbytes` / :func:`restore_bitsandbytes`).
+
+The bytes on disk are bitsandbytes' format, so a folder that q4 saves says so:
+``Q4Config.to_dict()`` (what ``save_pretrained`` writes into config.json) is
+the equivalent bitsandbytes config. transformers with bitsandbytes loads such a
+folder correctly; transformers without bitsandbytes and without q4 refuses it
+(it asks for bitsandbytes); nothing loads it as floats.
+
+Data flow on load: transformers builds the model on the meta device;
+``_process_model_before_weight_loading`` swaps each ``nn.Linear`` (or GPT-2's
+Conv1D) for a q4torch ``Linear4bit`` / ``Linear8bitLt`` on meta; then each
+float weight, as it is read from its shard, is quantized by :class:`Q4Quantize`
+(one tensor at a time: the float model never exists whole), or a pre-quantized
+weight's checkpoint entries are validated and assembled by
+:class:`Q4Deserialize`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import BitsAndBytesConfig
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers import auto as hf_auto
+from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+import q4
+from q4._src import formats
+from q4._src.quant_state import JSON_KEY_PREFIX
+
+METHOD = "q4"
+_BNB_METHODS = ("bitsandbytes_4bit", "bitsandbytes_8bit")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STORAGE = {"uint8": torch.uint8, "int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float32": torch.float32}  # fmt: skip
+
+
+def _dtype(value, what: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    table = _STORAGE if what == "quant_storage" else _DTYPES
+    if name not in table:
+        raise ValueError(f"{what} must be one of {sorted(table)}, got {value!r}")
+    return table[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the quantizer does, whichever config (Q4Config or
+    BitsAndBytesConfig) described it."""
+
+    quant_type: str  # 'nf4' | 'fp4' | 'int8'
+    blocksize: int = 64
+    compress_statistics: bool = True
+    compute_dtype: torch.dtype | None = None
+    quant_storage: torch.dtype = torch.uint8
+    threshold: float = 6.0
+    skip_modules: tuple[str, ...] | None = None
+    activation_quant: str | None = None
+
+    @classmethod
+    def of(cls, config: QuantizationConfigMixin) -> Settings:
+        if isinstance(config, Q4Config):
+            return config.settings
+        if isinstance(config, BitsAndBytesConfig):
+            if config.llm_int8_has_fp16_weight:
+                raise ValueError(
+                    "q4 serves bitsandbytes configs with llm_int8_has_fp16_weight=False only (a frozen int8 "
+                    "weight); load the float model and train it, or quantize afterwards"
+                )
+            skip = tuple(config.llm_int8_skip_modules) if config.llm_int8_skip_modules is not None else None
+            if config.load_in_8bit:
+                return cls("int8", threshold=float(config.llm_int8_threshold), skip_modules=skip)
+            formats.check_quant_type(config.bnb_4bit_quant_type)
+            return cls(
+                config.bnb_4bit_quant_type,
+                compress_statistics=bool(config.bnb_4bit_use_double_quant),
+                compute_dtype=_dtype(config.bnb_4bit_compute_dtype, "compute_dtype"),
+                quant_storage=_dtype(config.bnb_4bit_quant_storage, "quant_storage") or torch.uint8,
+                skip_modules=skip,
+            )
+        raise TypeError(f"q4 cannot serve a {type(config).__name__}")
+
+    def bitsandbytes_dict(self) -> dict[str, Any]:
+        """The equivalent bitsandbytes quantization_config (config.json form)."""
+        qc = q4.checkpoint.bitsandbytes_quantization_config(
+            self.quant_type,
+            nested=self.compress_statistics,
+            skip_modules=None if self.skip_modules is None else list(self.skip_modules),
+            threshold=self.threshold,
+        )
+        if self.quant_type != "int8":
+            qc["bnb_4bit_compute_dtype"] = str(self.compute_dtype or torch.float32).removeprefix("torch.")
+            qc["bnb_4bit_quant_storage"] = str(self.quant_storage).removeprefix("torch.")
+        return qc
+
+
+@register_quantization_config(METHOD)
+class Q4Config(QuantizationConfigMixin):
+    """Quantize a transformers model with q4 while it loads:
+    ``AutoModel.from_pretrained(path, quantization_config=q4torch.Q4Config("nf4"))``.
+
+    ``quant_type`` 'nf4' | 'fp4' (``Linear4bit``, blockwise ``blocksize``,
+    nested absmax when ``compress_statistics``) or 'int8' (``Linear8bitLt``,
+    LLM.int8 with outlier ``threshold``; 0 disables outliers).
+    ``skip_modules``: module names kept in full precision (transformers'
+    matching: a prefix at a module boundary, a regex, or a suffix); None keeps
+    transformers' default (the output head). ``compute_dtype`` and
+    ``activation_quant`` ('int8': W4A8) as for ``q4torch.nn.Linear4bit``.
+
+    The layers, bytes and results are those of ``q4torch.replace_linear`` with
+    the same arguments. ``save_pretrained`` writes the bitsandbytes format and,
+    in config.json, the equivalent bitsandbytes config (``to_dict``); loading
+    that folder needs q4torch.hf imported or bitsandbytes installed.
+    """
+
+    def __init__(
+        self,
+        quant_type: str = "nf4",
+        blocksize: int = 64,
+        compress_statistics: bool = True,
+        compute_dtype: torch.dtype | str | None = None,
+        threshold: float = 6.0,
+        skip_modules: list[str] | None = None,
+        activation_quant: str | None = None,
+        quant_storage: torch.dtype | str = torch.uint8,
+        **kwargs: Any,
+    ):
+        self.quant_method = METHOD  # type: ignore[assignment]  # transformers' enum has no member for it
+        formats.check_layer_type(quant_type)
+        formats.check_activation_quant(activation_quant)
+        if quant_type != "int8":
+            q4.check_blocksize(blocksize)
+        elif activation_quant is not None:
+            raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        unknown = sorted(set(kwargs) - {"q4", "quant_method"})
+        if unknown:
+            raise TypeError(f"Q4Config got unexpected arguments {unknown}")
+        self.settings = Settings(
+            quant_type,
+            blocksize=int(blocksize),
+            compress_statistics=bool(compress_statistics),
+            compute_dtype=_dtype(compute_dtype, "compute_dtype"),
+            quant_storage=_dtype(quant_storage, "quant_storage") or torch.uint8,
+            threshold=float(threshold),
+            skip_modules=None if skip_modules is None else tuple(skip_modules),
+            activation_quant=activation_quant,
+        )
+
+    def __getattr__(self, name: str):
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in Settings.__dataclass_fields__:
+            return getattr(settings, name)
+        raise AttributeError(f"'Q4Config' object has no attribute {name!r}")
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, return_unused_kwargs: bool = False, **kwargs):
+        d = {k: v for k, v in {**config_dict, **kwargs}.items() if k != "quant_method"}
+        config = cls(**d)
+        return (config, {}) if return_unused_kwargs else config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The equivalent bitsandbytes config, plus q4's own settings under
+        "q4" (ignored by bitsandbytes): the file is bitsandbytes' format."""
+        s = self.settings
+        qc = s.bitsandbytes_dict()
+        qc["q4"] = {"quant_type": s.quant_type, "blocksize": s.blocksize, "activation_quant": s.activation_quant}
+        return qc
+
+    def __repr__(self) -> str:
+        return f"Q4Config({self.settings})"
+
+
+def _layer_kind():
+    from q4torch.nn import Linear4bit, Linear8bitLt
+
+    return Linear4bit, Linear8bitLt
+
+
+class Q4Quantize(ConversionOps):
+    """A float weight, as read from its shard, quantized into its q4 layer."""
+
+    def __init__(self, hf_quantizer: Q4HfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
+        from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
+
+        s = self.hf_quantizer.settings
+        result = {}
+        for name, value in input_dict.items():
+            value = value[0] if isinstance(value, list) else value
+            module, _ = get_module_from_name(model, name)
+            if getattr(module, "source_is_conv1d", False):  # GPT-2's Conv1D stores [in, out]
+                value = value.T
+            if tuple(value.shape) != (module.out_features, module.in_features):
+                raise ValueError(
+                    f"{name}: the checkpoint's weight has shape {tuple(value.shape)}, the layer expects "
+                    f"{(module.out_features, module.in_features)}"
+                )
+            if isinstance(module, Linear8bitLt):
+                new: nn.Parameter = Int8Params(value.detach().cpu(), requires_grad=False, has_fp16_weights=False)
+                new = new.to(value.device)
+            else:
+                new = Params4bit(
+                    value.detach(),
+                    requires_grad=False,
+                    blocksize=s.blocksize,
+                    compress_statistics=s.compress_statistics,
+                    quant_type=s.quant_type,
+                    quant_storage=s.quant_storage,
+                    module=module,
+                ).quantize()
+            module._is_hf_initialized = True
+            result[name] = new
+        return result
+
+
+class Q4Deserialize(ConversionOps):
+    """A pre-quantized weight from its checkpoint entries (bitsandbytes keys):
+    validated, copied (never aliased), into the q4 layer."""
+
+    def __init__(self, hf_quantizer: Q4HfQuantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def convert(self, input_dict, model=None, full_layer_name=None, **kwargs):
+        from q4torch._src.linear8bit import check_weight_format
+        from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
+
+        entries = {k: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
+        module, _ = get_module_from_name(model, full_layer_name)
+        if not isinstance(module, _layer_kind()):
+            return input_dict  # any other module's "weight" (a norm, an embedding, a skipped linear)
+        weight = entries.pop("weight", None)
+        if weight is None:
+            raise ValueError(f"{full_layer_name}: the checkpoint has no 'weight' entry, only {sorted(entries)}")
+        if isinstance(module, Linear8bitLt):
+            if "SCB" not in entries:
+                raise ValueError(f"{full_layer_name}: an int8 weight needs its 'SCB' (row scales) entry")
+            errs: list[str] = []
+            if "weight_format" in entries:
+                check_weight_format({"weight_format": entries["weight_format"]}, "weight_format", errs)
+            if errs:
+                raise ValueError(f"{full_layer_name}: {'; '.join(errs)}")
+            if weight.dtype != torch.int8 or tuple(weight.shape) != (module.out_features, module.in_features):
+                raise ValueError(
+                    f"{full_layer_name}: expected an int8 weight of shape {(module.out_features, module.in_features)},"
+                    f" got {weight.dtype} {tuple(weight.shape)}"
+                )
+            scb = entries["SCB"]
+            if scb.dtype != torch.float32 or tuple(scb.shape) != (module.out_features,):
+                raise ValueError(
+                    f"{full_layer_name}: expected SCB float32 of shape ({module.out_features},), "
+                    f"got {scb.dtype} {tuple(scb.shape)}"
+                )
+            new: nn.Parameter = Int8Params(weight.clone(), requires_grad=False, has_fp16_weights=False, SCB=scb.clone())
+        else:
+            stats = {k.removeprefix("weight."): v for k, v in entries.items()}
+            if not any(k.startswith(JSON_KEY_PREFIX) for k in stats):
+                raise ValueError(
+                    f"{full_layer_name}: a 4-bit weight needs its quant_state entries, found only {sorted(entries)}"
+                )
+            new = Params4bit.from_prequantized(weight, stats, requires_grad=False, device=weight.device, module=module)
+            shape = tuple(new.quant_state.shape)
+            if shape != (module.out_features, module.in_features):
+                raise ValueError(
+                    f"{full_layer_name}: the checkpoint quantizes a weight of shape {shape}, the layer expects "
+                    f"{(module.out_features, module.in_features)}"
+                )
+        module._is_hf_initialized = True
+        return {"weight": new}
+
+
+class Q4HfQuantizer(HfQuantizer):
+    """transformers' quantizer for q4 (and, once registered for it, for
+    bitsandbytes configs): q4torch layers, q4's kernels, bitsandbytes' bytes."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+        self.settings = Settings.of(quantization_config)
+        self.modules_to_not_convert: list[str] = []
+        int8 = self.settings.quant_type == "int8"
+        self.serialized_names = (
+            {"weight": ["weight", "SCB", "weight_format"]}
+            if int8
+            else {
+                "weight": [
+                    "weight",
+                    "weight.absmax",
+                    "weight.quant_map",
+                    "weight.nested_absmax",
+                    "weight.nested_quant_map",
+                    *(f"weight.{JSON_KEY_PREFIX}{qt}" for qt in formats.QUANT_TYPES),
+                ]
+            }
+        )
+
+    @property
+    def quantized_element_size(self) -> float:
+        return 1.0 if self.settings.quant_type == "int8" else 0.5
+
+    def update_device_map(self, device_map):
+        return {"": "cpu"} if device_map is None else device_map
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        module, name = get_module_from_name(model, param_name)
+        return isinstance(module, _layer_kind()) and name == "weight"
+
+    def _process_model_before_weight_loading(self, model, device_map=None, **kwargs):
+        from transformers.pytorch_utils import Conv1D
+
+        from q4torch.nn import Linear4bit, Linear8bitLt, Params4bit
+
+        s = self.settings
+        skip = None if s.skip_modules is None else list(s.skip_modules)
+        self.modules_to_not_convert = self.get_modules_to_not_convert(model, skip, model._keep_in_fp32_modules)
+        replaced = 0
+        for name, module in list(model.named_modules()):
+            if not (type(module) is nn.Linear or isinstance(module, Conv1D)):
+                continue
+            if not should_convert_module(name, self.modules_to_not_convert):
+                continue
+            if isinstance(module, Conv1D):
+                k, n = module.weight.shape
+            else:
+                k, n = module.in_features, module.out_features
+            has_bias = module.bias is not None
+            if s.activation_quant is not None:
+                try:
+                    formats.check_w4a8_features(k, s.blocksize)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{name}: {e}; skip it (skip_modules=...) or leave activation_quant unset"
+                    ) from None
+            with torch.device("meta"):
+                new: nn.Module
+                if s.quant_type == "int8":
+                    # (a pre-quantized weight stays a float placeholder until Q4Deserialize
+                    # assembles weight + SCB: the meta model's state dict names only weight)
+                    new = Linear8bitLt(k, n, has_bias, has_fp16_weights=False, threshold=s.threshold)
+                else:
+                    new4 = Linear4bit(
+                        k,
+                        n,
+                        has_bias,
+                        compute_dtype=s.compute_dtype,
+                        compress_statistics=s.compress_statistics,
+                        quant_type=s.quant_type,
+                        quant_storage=s.quant_storage,
+                        activation_quant=s.activation_quant,
+                    )
+                    new4.weight = Params4bit(
+                        new4.weight.data.to(s.quant_storage) if self.pre_quantized else new4.weight.data,
+                        requires_grad=False,
+                        blocksize=s.blocksize,
+                        compress_statistics=s.compress_statistics,
+                        quant_type=s.quant_type,
+                        quant_storage=s.quant_storage,
+                        module=new4,
+                    )
+                    new = new4
+            new.source_is_conv1d = isinstance(module, Conv1D)
+            new.requires_grad_(False)
+            model.set_submodule(name, new)
+            replaced += 1
+        if replaced == 0:
+            raise ValueError(
+                f"q4 found no nn.Linear layer to quantize in this model (skip_modules: {self.modules_to_not_convert})"
+            )
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        setattr(model, "is_loaded_in_8bit" if self.settings.quant_type == "int8" else "is_loaded_in_4bit", True)
+        return model
+
+    def is_serializable(self) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    def _dequantize(self, model, dtype=None):
+        return dequantize_model(model, dtype)
+
+    def get_quantize_ops(self):
+        return Q4Quantize(self)
+
+    def get_load_operations(self):
+        return {"deserialize": Q4Deserialize}
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Every q4torch ``Linear4bit`` / ``Linear8bitLt`` of ``model`` replaced, in
+    place, by an ``nn.Linear`` holding its dequantized weight (in ``dtype``,
+    fp32 by default) and its bias. Returns ``model``."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, _layer_kind()):
+            continue
+        weight = dequantized_weight(module).to(dtype or torch.float32)
+        new = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+        new.weight = nn.Parameter(weight, requires_grad=False)
+        if module.bias is not None:
+            new.bias = module.bias
+        model.set_submodule(name, new)
+    return model
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """The fp32 weight [out, in] a q4torch Linear4bit / Linear8bitLt computes with."""
+    from q4torch import functional as F
+    from q4torch.nn import Linear8bitLt
+
+    w: Any = module.weight
+    if isinstance(module, Linear8bitLt):
+        if w.dtype != torch.int8:
+            return w.detach().float()
+        return F.int8_vectorwise_dequant(w.detach(), w.SCB)
+    if not getattr(w, "bnb_quantized", False):
+        return w.detach().float()
+    return F.dequantize_4bit(w.detach(), w.quant_state).float()
+
+
+_saved: dict[str, Any] = {}
+
+
+def use_for_bitsandbytes() -> None:
+    """Serve transformers' "bitsandbytes" method (4-bit and 8-bit configs)
+    with q4: ``from_pretrained`` of a bitsandbytes-format folder builds q4torch
+    layers, whether or not bitsandbytes is installed. Done on import of
+    q4torch.hf; undone by :func:`restore_bitsandbytes`."""
+    for key in _BNB_METHODS:
+        current = hf_auto.AUTO_QUANTIZER_MAPPING[key]
+        if current is not Q4HfQuantizer:
+            _saved[key] = current
+            hf_auto.AUTO_QUANTIZER_MAPPING[key] = Q4HfQuantizer
+
+
+def restore_bitsandbytes() -> None:
+    """Give transformers' "bitsandbytes" method back to bitsandbytes."""
+    for key, cls in list(_saved.items()):
+        hf_auto.AUTO_QUANTIZER_MAPPING[key] = cls
+        del _saved[key]
+
+
+def serves_bitsandbytes() -> bool:
+    return all(hf_auto.AUTO_QUANTIZER_MAPPING[key] is Q4HfQuantizer for key in _BNB_METHODS)
+
+
+register_quantizer(METHOD)(Q4HfQuantizer)
+use_for_bitsandbytes()
