@@ -1,0 +1,177 @@
+"""peft integration: LoRA and DoRA adapters over q4torch's quantized layers.
+
+peft's extension point for third-party layers is the custom module mapping of
+a ``LoraConfig`` (``_register_custom_module``, documented in peft's "custom
+models" guide); :func:`register` fills it with :class:`LoraLinear` for
+``Linear4bit`` and ``Linear8bitLt``. Without it peft wraps a q4 layer as a
+plain ``nn.Linear`` (forward and training work), but merging writes a float
+delta into packed bytes and DoRA calls bitsandbytes to dequantize.
+
+What :class:`LoraLinear` changes, and nothing else:
+- merge / unmerge (and so ``merge_and_unload``): dequantize the base weight
+  with q4 (fp32), add the adapter's delta (LoRA) or apply DoRA's rescaling,
+  and quantize the result again into a new weight of the same layer type
+  and settings, as peft does for bitsandbytes; the packed bytes are never
+  written in place (copies of the layer keep theirs);
+- DoRA: the base weight for the column norms is q4's dequantized weight;
+  bitsandbytes is never imported.
+Adapter initialisations that rewrite the base weight (PiSSA, OLoRA, ...)
+are refused with the option named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora.dora import DoraLinearLayer
+from peft.tuners.lora.layer import Linear as PeftLoraLinear
+from peft.tuners.lora.variants import DoraLinearVariant
+from peft.utils.other import transpose
+from torch import nn
+from torch.nn import functional as torch_F
+
+from q4torch._src.hf import dequantized_weight
+from q4torch._src.linear4bit import Linear4bit, Params4bit
+from q4torch._src.linear8bit import Int8Params, Linear8bitLt
+
+_PLAIN_INITS = (True, False, "gaussian")
+
+
+def register(config: LoraConfig) -> LoraConfig:
+    """``config`` with q4's LoRA layer registered for ``Linear4bit`` and
+    ``Linear8bitLt`` (returned, for chaining):
+    ``get_peft_model(model, q4torch.peft.register(LoraConfig(...)))``; for
+    saved adapters, ``PeftModel.from_pretrained(model, path,
+    config=q4torch.peft.register(LoraConfig.from_pretrained(path)))``."""
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"register takes a peft LoraConfig, got {type(config).__name__}")
+    config._register_custom_module({Linear4bit: LoraLinear, Linear8bitLt: LoraLinear})
+    return config
+
+
+def requantize(layer: nn.Module, weight: torch.Tensor) -> None:
+    """Give a q4 layer a new weight (float [out, in]) quantized with the layer's
+    own settings; the old Parameter (and its bytes) is left untouched."""
+    old: Any = layer.weight
+    if isinstance(layer, Linear8bitLt):
+        layer.weight = Int8Params(weight.detach().cpu(), requires_grad=False, has_fp16_weights=False).to(old.device)
+        return
+    layer.weight = Params4bit(
+        weight.detach().to(old.device),
+        requires_grad=False,
+        blocksize=old.blocksize,
+        compress_statistics=old.compress_statistics,
+        quant_type=old.quant_type,
+        quant_storage=old.quant_storage,
+        module=layer,
+    ).quantize()
+
+
+class Q4DoraLayer(DoraLinearLayer):
+    """DoRA's magnitude vector over a q4 base: the column norms use q4's
+    dequantized weight W (fp32), ||W + s * B A|| per output row, never
+    differentiated (DoRA paper, section 4.3)."""
+
+    def update_layer(self, *, base_layer, lora_A, lora_B, scaling, place_on_cpu=False) -> None:
+        w = dequantized_weight(base_layer).to(lora_A.device)
+        norm = torch.linalg.norm(w + scaling * (lora_B.float() @ lora_A.float()), dim=1)
+        self.weight = nn.Parameter(norm.to("cpu" if place_on_cpu else lora_A.device, lora_A.dtype), requires_grad=True)
+
+    def forward(self, x, *, lora_A, lora_B, scaling, base_layer, base_result=None, adapter_name="default"):
+        """What DoRA adds to the base layer's output (its bias excluded):
+        (m / ||W + s B A|| - 1) * x W^T + (m / ||W + s B A||) * s * x A^T B^T."""
+        w = dequantized_weight(base_layer).to(x.dtype)
+        lora_w = (lora_B.weight @ lora_A.weight).detach().to(x.dtype)
+        norm = torch.linalg.norm(w + scaling * lora_w, dim=1).detach()
+        scale = (self.weight / norm).view(1, -1)
+        if base_result is None:
+            base_result = torch_F.linear(x, w)
+        elif base_layer.bias is not None:
+            base_result = base_result - base_layer.bias
+        return (scale - 1) * base_result + scale * lora_B(lora_A(x)) * scaling
+
+
+class Q4DoraVariant(DoraLinearVariant):
+    """peft's DoRA variant with :class:`Q4DoraLayer` (merging: LoraLinear)."""
+
+    @staticmethod
+    def init(module, adapter_name: str, **kwargs: Any) -> None:
+        if not module.lora_magnitude_vector:
+            module.adapter_layer_names = module.adapter_layer_names[:] + ("lora_magnitude_vector",)
+        layer = Q4DoraLayer(fan_in_fan_out=False)
+        layer.update_layer(
+            base_layer=module.get_base_layer(),
+            lora_A=module.lora_A[adapter_name].weight,
+            lora_B=module.lora_B[adapter_name].weight,
+            scaling=module.scaling[adapter_name],
+        )
+        module.lora_magnitude_vector[adapter_name] = layer
+
+
+class LoraLinear(PeftLoraLinear):
+    """peft's LoRA layer over a q4torch ``Linear4bit`` / ``Linear8bitLt``: the
+    forward is peft's (q4's fused kernel for the base, then the adapters);
+    merging dequantizes, merges in fp32 and quantizes again (module docstring)."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: LoraConfig, **kwargs: Any):
+        if config.init_lora_weights not in _PLAIN_INITS:
+            raise ValueError(
+                f"init_lora_weights={config.init_lora_weights!r} rewrites the base weight, which a q4 layer keeps "
+                f"quantized; use one of {_PLAIN_INITS}"
+            )
+        if config.fan_in_fan_out:
+            raise ValueError("fan_in_fan_out=True does not apply to q4 layers (their weight is [out, in])")
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+
+    def resolve_lora_variant(self, *, config: LoraConfig, **kwargs: Any):
+        variant = super().resolve_lora_variant(config=config, **kwargs)
+        if variant is None:
+            return None
+        if type(variant) is DoraLinearVariant:
+            return Q4DoraVariant()
+        raise ValueError(f"q4 layers take LoRA and DoRA adapters, not {type(variant).__name__}")
+
+    def _merged(self, adapter: str, w: torch.Tensor, sign: int) -> torch.Tensor:
+        delta = self.get_delta_weight(adapter).float()
+        if adapter not in self.lora_variant:
+            return w + sign * delta
+        magnitude = self.lora_magnitude_vector[adapter].weight.float()
+        if sign > 0:
+            norm = torch.linalg.norm(w + delta, dim=1).detach()
+            self._cache_store(f"{adapter}-weight_norm", norm)
+            return (magnitude / norm).view(-1, 1) * (w + delta)
+        norm = self._cache_pop(f"{adapter}-weight_norm")
+        return w / (magnitude / norm).view(-1, 1) - delta
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        from peft.tuners.tuners_utils import check_adapters_to_merge
+
+        for adapter in check_adapters_to_merge(self, adapter_names):
+            if adapter not in self.lora_A:
+                continue
+            base = self.get_base_layer()
+            w = self._merged(adapter, dequantized_weight(base), +1)
+            if safe_merge and not torch.isfinite(w).all():
+                raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
+            requantize(base, w)
+            if self.lora_bias[adapter]:
+                base.bias.data = base.bias.data + self.lora_B[adapter].bias
+            self.merged_adapters.append(adapter)
+
+    def unmerge(self) -> None:
+        while self.merged_adapters:
+            adapter = self.merged_adapters.pop()
+            if adapter not in self.lora_A:
+                continue
+            base = self.get_base_layer()
+            requantize(base, self._merged(adapter, dequantized_weight(base), -1))
+            if self.lora_bias[adapter]:
+                base.bias.data = base.bias.data - self.lora_B[adapter].bias
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor:
+        return transpose(self.lora_B[adapter].weight @ self.lora_A[adapter].weight, False) * self.scaling[adapter]
+
+    def __repr__(self) -> str:
+        return "q4." + super().__repr__()

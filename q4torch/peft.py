@@ -1,0 +1,7 @@
+"""peft integration (imports peft): LoRA / DoRA over q4torch's quantized layers,
+merge_and_unload included. See q4torch/_src/peft.py and the README's
+"transformers, sentence-transformers and peft"."""
+
+from q4torch._src.peft import LoraLinear, Q4DoraLayer, register, requantize
+
+__all__ = ["LoraLinear", "Q4DoraLayer", "register", "requantize"]
