@@ -51,7 +51,7 @@ def register(config: LoraConfig) -> LoraConfig:
     return config
 
 
-def requantize(layer: nn.Module, weight: torch.Tensor) -> None:
+def requantize(layer: Any, weight: torch.Tensor) -> None:
     """Give a q4 layer a new weight (float [out, in]) quantized with the layer's
     own settings; the old Parameter (and its bytes) is left untouched."""
     old: Any = layer.weight
@@ -151,13 +151,13 @@ class LoraLinear(PeftLoraLinear):
         for adapter in check_adapters_to_merge(self, adapter_names):
             if adapter not in self.lora_A:
                 continue
-            base = self.get_base_layer()
+            base: Any = self.get_base_layer()
             w = self._merged(adapter, dequantized_weight(base), +1)
             if safe_merge and not torch.isfinite(w).all():
                 raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
             requantize(base, w)
             if self.lora_bias[adapter]:
-                base.bias.data = base.bias.data + self.lora_B[adapter].bias
+                base.bias.data = base.bias.data + self._lora_b(adapter).bias
             self.merged_adapters.append(adapter)
 
     def unmerge(self) -> None:
@@ -165,13 +165,17 @@ class LoraLinear(PeftLoraLinear):
             adapter = self.merged_adapters.pop()
             if adapter not in self.lora_A:
                 continue
-            base = self.get_base_layer()
+            base: Any = self.get_base_layer()
             requantize(base, self._merged(adapter, dequantized_weight(base), -1))
             if self.lora_bias[adapter]:
-                base.bias.data = base.bias.data - self.lora_B[adapter].bias
+                base.bias.data = base.bias.data - self._lora_b(adapter).bias
+
+    def _lora_b(self, adapter: str) -> Any:
+        return self.lora_B[adapter]
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        return transpose(self.lora_B[adapter].weight @ self.lora_A[adapter].weight, False) * self.scaling[adapter]
+        a: Any = self.lora_A[adapter]
+        return transpose(self._lora_b(adapter).weight @ a.weight, False) * self.scaling[adapter]
 
     def __repr__(self) -> str:
         return "q4." + super().__repr__()
