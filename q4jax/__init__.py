@@ -2,6 +2,7 @@
 
 from q4jax import nn
 from q4jax._src.checkpoint import load_quantized, load_state_dict, state_dict
+from q4jax._src.lora import add_lora
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.model import quantize_model
 from q4jax._src.model_sharding import shard_model
@@ -25,6 +26,7 @@ from q4jax._src.sharding import (
 )
 
 __all__ = [
+    "add_lora",
     "load_quantized",
     "load_state_dict",
     "nn",

@@ -79,6 +79,8 @@ def quantize_model(
 ) -> nnx.Module:
     """Replace every nnx.Linear below ``module`` in place with a Linear4bit
     (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
+    An nnx.LoRALinear becomes an ``nnx.LoRA`` whose base is the quantized
+    layer and whose adapters are the LoRALinear's own (the same Variables).
 
     A Linear whose dotted path (torch-style, e.g. ``layers.0.attn.q``) equals an
     entry of ``skip`` or has it as one of its components is left dense. A Linear
@@ -102,7 +104,7 @@ def quantize_model(
         formats.check_blocksize(blocksize)
     if isinstance(skip, str):
         skip = (skip,)
-    kinds = (nnx.Linear, nnx.Embed) if embeddings else (nnx.Linear,)
+    kinds = (nnx.Linear, nnx.LoRALinear, nnx.Embed) if embeddings else (nnx.Linear, nnx.LoRALinear)
     targets = [(p, parent, key, child) for p, parent, key, child in graph_edges(module) if type(child) in kinds]
     replaced: dict[int, nnx.Module] = {}
     for path, parent, key, child in targets:
@@ -131,11 +133,16 @@ def quantize_model(
                     compute_dtype=compute_dtype,
                     activation_quant=activation_quant,
                 )
+            if type(child) is nnx.LoRALinear:  # quantize the base, keep the adapters
+                from q4jax._src.lora import lora_from_lora_linear
+
+                new = lora_from_lora_linear(child, new)
             replaced[id(child)] = new
         set_child(parent, key, new)
         logger.info(
-            "q4jax.quantize_model: %s nnx.Linear(%d, %d) -> %s (%s)",
+            "q4jax.quantize_model: %s nnx.%s(%d, %d) -> %s (%s)",
             name,
+            type(child).__name__,
             child.in_features,
             child.out_features,
             type(new).__name__,
