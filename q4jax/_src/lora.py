@@ -39,7 +39,7 @@ def add_lora(
     rngs: nnx.Rngs | None = None,
     param_dtype=jnp.float32,
     dtype=None,
-    a_initializer=nnx.initializers.he_uniform(),
+    a_initializer=None,
     b_initializer=nnx.initializers.zeros,
 ) -> nnx.Module:
     """Wrap, in place, every q4jax ``Linear4bit`` / ``Linear8bit`` below
@@ -47,7 +47,8 @@ def add_lora(
     ``targets``; all when None) in ``nnx.LoRA(in, rank, out,
     base_module=layer)``; returns ``model``. B starts at zero, so the model's
     function is unchanged until it trains. A layer reachable by several paths
-    gets one shared adapter. The quantized layer is not copied: the wrapper
+    gets one shared adapter. ``a_initializer`` defaults to nnx.LoRA's
+    (He uniform), ``b_initializer`` to zeros. The quantized layer is not copied: the wrapper
     holds it. Refuses a model with no such layer, a rank < 1, and targets
     that match none of its quantized layers."""
     check_graph_root(model, "add_lora")
@@ -77,7 +78,7 @@ def add_lora(
                 base_module=child,
                 dtype=dtype,
                 param_dtype=param_dtype,
-                a_initializer=a_initializer,
+                a_initializer=nnx.initializers.he_uniform() if a_initializer is None else a_initializer,
                 b_initializer=b_initializer,
                 rngs=rngs,
             )

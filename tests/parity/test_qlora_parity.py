@@ -133,7 +133,7 @@ def test_qlora_steps_agree():
         jb = np.asarray(getattr(j_model, name).base_module.weight.get_value()).reshape(-1)
         assert tb.tobytes() == jb.tobytes(), name
     losses = []
-    for step, ((tl, tg), (jl, jg)) in enumerate(zip(t_steps, j_steps)):
+    for step, ((tl, tg), (jl, jg)) in enumerate(zip(t_steps, j_steps, strict=True)):
         close(tl, jl, f"loss at step {step}")
         for key in tg:
             close(tg[key], jg[key], f"grad {key} at step {step}")
