@@ -2,6 +2,6 @@
 merge_and_unload included. See q4torch/_src/peft.py and the README's
 "transformers, sentence-transformers and peft"."""
 
-from q4torch._src.peft import LoraLinear, Q4DoraLayer, register, requantize
+from q4torch._src.peft import LoraLinear, Q4DoraLayer, merge_and_dequantize, register, requantize
 
-__all__ = ["LoraLinear", "Q4DoraLayer", "register", "requantize"]
+__all__ = ["LoraLinear", "Q4DoraLayer", "merge_and_dequantize", "register", "requantize"]

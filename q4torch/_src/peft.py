@@ -69,6 +69,35 @@ def requantize(layer: Any, weight: torch.Tensor) -> None:
     ).quantize()
 
 
+def merge_and_dequantize(peft_model: nn.Module) -> nn.Module:
+    """The base model of ``peft_model`` with every q4 LoRA layer replaced, in
+    place, by an ``nn.Linear`` holding the merged weight in fp32 (q4's
+    dequantized base plus each active adapter's delta, DoRA's rescaling
+    applied) and the base bias (plus LoRA biases): the adapters' function
+    without the second rounding that ``merge_and_unload`` (which quantizes the
+    merged weight again) adds. Returns the base model."""
+    base_model = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    for name, layer in list(base_model.named_modules()):
+        if not isinstance(layer, LoraLinear):
+            continue
+        if layer.merged:
+            raise ValueError(f"{name}: adapters already merged into the quantized weight; unmerge() first")
+        base: Any = layer.get_base_layer()
+        w = dequantized_weight(base)
+        bias = None if base.bias is None else base.bias.detach().float().clone()
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                w = layer._merged(adapter, w, +1)
+                if layer.lora_bias[adapter]:
+                    bias = bias + layer._lora_b(adapter).bias.detach().float()
+        new = nn.Linear(base.in_features, base.out_features, bias=bias is not None, device="meta")
+        new.weight = nn.Parameter(w.detach(), requires_grad=False)
+        if bias is not None:
+            new.bias = nn.Parameter(bias, requires_grad=base.bias.requires_grad)
+        base_model.set_submodule(name, new)
+    return base_model
+
+
 class Q4DoraLayer(DoraLinearLayer):
     """DoRA's magnitude vector over a q4 base: the column norms use q4's
     dequantized weight W (fp32), ||W + s * B A|| per output row, never

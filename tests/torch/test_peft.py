@@ -174,6 +174,21 @@ def test_unmerge_requantizes_the_unmerged_weight(dora):
     assert torch.equal(layer.get_base_layer().weight.data, packed)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merge_and_dequantize_keeps_the_function(kind, dora):
+    model = peft_net(kind, use_dora=dora)
+    randomise_adapters(model)
+    x, _ = data(16)
+    want = reference_forward(model, x, dora)
+    merged = qpeft.merge_and_dequantize(model)
+    assert type(merged.up) is nn.Linear and type(merged.down) is nn.Linear
+    with torch.no_grad():
+        got = merged(x).double()
+    # dense fp32 products with the merged weights: only fp32 rounding (int8: no input quantization now)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_adapter_save_and_load(tmp_path):
     model = peft_net("nf4", use_dora=True)
     randomise_adapters(model)
