@@ -75,6 +75,7 @@ def main() -> int:
     # peft: rank-8 adapters on every linear, B set to small random values (as after training)
     base = AutoModel.from_pretrained(src, quantization_config=q4torch.hf.Q4Config("nf4"))
     cfg = q4torch.peft.register(LoraConfig(r=8, lora_alpha=16, target_modules=["query", "key", "value", "dense"]))
+    torch.manual_seed(0)  # lora_A's initialisation
     model = get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

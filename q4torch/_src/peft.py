@@ -76,7 +76,8 @@ def merge_and_dequantize(peft_model: nn.Module) -> nn.Module:
     applied) and the base bias (plus LoRA biases): the adapters' function
     without the second rounding that ``merge_and_unload`` (which quantizes the
     merged weight again) adds. Returns the base model."""
-    base_model = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    get_base = getattr(peft_model, "get_base_model", None)
+    base_model: nn.Module = get_base() if callable(get_base) else peft_model
     for name, layer in list(base_model.named_modules()):
         if not isinstance(layer, LoraLinear):
             continue
