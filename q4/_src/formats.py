@@ -110,6 +110,18 @@ def check_layer_type(quant_type: str, what: str = "quant_type") -> str:
     return quant_type
 
 
+def check_layer_options(quant_type: str, blocksize: int, activation_quant) -> None:
+    """The options every whole-model quantizer takes (replace_linear,
+    quantize_model, Q4Config): a layer type, a 4-bit block size, and
+    activation_quant only for the 4-bit layers; ValueError naming the value."""
+    check_layer_type(quant_type)
+    check_activation_quant(activation_quant)
+    if quant_type != "int8":
+        check_blocksize(blocksize)
+    elif activation_quant is not None:
+        raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+
+
 def check_dtype_name(name: str) -> int:
     """The kernel code of a dtype name; anything else (including a non-string) raises ValueError."""
     if not isinstance(name, str) or name not in DTYPE_CODES:

@@ -94,14 +94,9 @@ def quantize_model(
     or an Embedding8bit for "int8" (q4jax/_src/embedding.py).
     """
     check_graph_root(module, "quantize_model")
-    formats.check_layer_type(quant_type)
-    formats.check_activation_quant(activation_quant)
-    if quant_type == "int8" and activation_quant is not None:
-        raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+    formats.check_layer_options(quant_type, blocksize, activation_quant)
     if isinstance(module, nnx.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
-    if quant_type != "int8":
-        formats.check_blocksize(blocksize)
     if isinstance(skip, str):
         skip = (skip,)
     kinds = (nnx.Linear, nnx.LoRALinear, nnx.Embed) if embeddings else (nnx.Linear, nnx.LoRALinear)

@@ -140,12 +140,7 @@ class Q4Config(QuantizationConfigMixin):
         **kwargs: Any,
     ):
         self.quant_method = METHOD  # type: ignore[assignment]  # transformers' enum has no member for it
-        formats.check_layer_type(quant_type)
-        formats.check_activation_quant(activation_quant)
-        if quant_type != "int8":
-            q4.check_blocksize(blocksize)
-        elif activation_quant is not None:
-            raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+        formats.check_layer_options(quant_type, blocksize, activation_quant)
         if not threshold >= 0:
             raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
         unknown = sorted(set(kwargs) - {"q4", "quant_method"})
@@ -192,6 +187,28 @@ def _layer_kind():
     return Linear4bit, Linear8bitLt
 
 
+def quantized_weight(
+    layer: nn.Module, weight: torch.Tensor, blocksize: int, compress_statistics: bool, quant_type: str, quant_storage
+) -> nn.Parameter:
+    """A new quantized weight Parameter for the q4 ``layer`` from a float
+    ``weight`` [out, in], on the weight's device: an ``Int8Params`` for a
+    Linear8bitLt, else a ``Params4bit`` with the given 4-bit settings (the
+    layer's quant_state then follows it). Nothing existing is written."""
+    from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
+
+    if isinstance(layer, Linear8bitLt):
+        return Int8Params(weight.detach().cpu(), requires_grad=False, has_fp16_weights=False).to(weight.device)
+    return Params4bit(
+        weight.detach(),
+        requires_grad=False,
+        blocksize=blocksize,
+        compress_statistics=compress_statistics,
+        quant_type=quant_type,
+        quant_storage=quant_storage,
+        module=layer,  # type: ignore[arg-type]
+    ).quantize()
+
+
 class Q4Quantize(ConversionOps):
     """A float weight, as read from its shard, quantized into its q4 layer."""
 
@@ -199,8 +216,6 @@ class Q4Quantize(ConversionOps):
         self.hf_quantizer = hf_quantizer
 
     def convert(self, input_dict, full_layer_name=None, model=None, **kwargs):
-        from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
-
         s = self.hf_quantizer.settings
         result = {}
         for name, value in input_dict.items():
@@ -213,21 +228,10 @@ class Q4Quantize(ConversionOps):
                     f"{name}: the checkpoint's weight has shape {tuple(value.shape)}, the layer expects "
                     f"{(module.out_features, module.in_features)}"
                 )
-            if isinstance(module, Linear8bitLt):
-                new: nn.Parameter = Int8Params(value.detach().cpu(), requires_grad=False, has_fp16_weights=False)
-                new = new.to(value.device)
-            else:
-                new = Params4bit(
-                    value.detach(),
-                    requires_grad=False,
-                    blocksize=s.blocksize,
-                    compress_statistics=s.compress_statistics,
-                    quant_type=s.quant_type,
-                    quant_storage=s.quant_storage,
-                    module=module,
-                ).quantize()
+            result[name] = quantized_weight(
+                module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage
+            )
             module._is_hf_initialized = True
-            result[name] = new
         return result
 
 

@@ -32,9 +32,9 @@ from peft.utils.other import transpose
 from torch import nn
 from torch.nn import functional as torch_F
 
-from q4torch._src.hf import dequantized_weight
-from q4torch._src.linear4bit import Linear4bit, Params4bit
-from q4torch._src.linear8bit import Int8Params, Linear8bitLt
+from q4torch._src.hf import dequantized_weight, quantized_weight
+from q4torch._src.linear4bit import Linear4bit
+from q4torch._src.linear8bit import Linear8bitLt
 
 _PLAIN_INITS = (True, False, "gaussian")
 
@@ -55,18 +55,13 @@ def requantize(layer: Any, weight: torch.Tensor) -> None:
     """Give a q4 layer a new weight (float [out, in]) quantized with the layer's
     own settings; the old Parameter (and its bytes) is left untouched."""
     old: Any = layer.weight
+    w = weight.to(old.device)
     if isinstance(layer, Linear8bitLt):
-        layer.weight = Int8Params(weight.detach().cpu(), requires_grad=False, has_fp16_weights=False).to(old.device)
-        return
-    layer.weight = Params4bit(
-        weight.detach().to(old.device),
-        requires_grad=False,
-        blocksize=old.blocksize,
-        compress_statistics=old.compress_statistics,
-        quant_type=old.quant_type,
-        quant_storage=old.quant_storage,
-        module=layer,
-    ).quantize()
+        layer.weight = quantized_weight(layer, w, 0, False, "int8", None)
+    else:
+        layer.weight = quantized_weight(
+            layer, w, old.blocksize, old.compress_statistics, old.quant_type, old.quant_storage
+        )
 
 
 def merge_and_dequantize(peft_model: nn.Module) -> nn.Module:

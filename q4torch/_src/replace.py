@@ -96,12 +96,7 @@ def replace_linear(
     """
     from q4torch._src.embedding import quantized_embedding
 
-    formats.check_layer_type(quant_type)
-    formats.check_activation_quant(activation_quant)
-    if quant_type != "int8":
-        q4.check_blocksize(blocksize)
-    elif activation_quant is not None:
-        raise ValueError("activation_quant applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+    formats.check_layer_options(quant_type, blocksize, activation_quant)
     if isinstance(skip, str):
         skip = (skip,)
     replaced: dict[int, nn.Module] = {}
