@@ -3,6 +3,11 @@ registers q4 with ``from_pretrained`` (method "q4", and q4 as the backend of
 bitsandbytes-format folders). See q4torch/_src/hf.py and the README's
 "transformers, sentence-transformers and peft"."""
 
+try:
+    import transformers  # noqa: F401
+except ImportError as e:
+    raise ImportError(f"q4torch.hf needs the transformers package (pip install 'q4[hf]'): {e}") from None
+
 from q4torch._src.hf import (
     Q4Config,
     Q4HfQuantizer,

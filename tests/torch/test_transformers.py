@@ -278,3 +278,12 @@ def test_q4torch_exports_the_config():
     qc = hf.Q4Config("fp4", blocksize=32).to_dict()
     assert qc["bnb_4bit_quant_type"] == "fp4" and qc["q4"]["blocksize"] == 32
     assert np.isclose(hf.Q4Config("int8", threshold=3.5).to_dict()["llm_int8_threshold"], 3.5)
+
+
+def test_missing_transformers_is_named():
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n    import q4torch.hf\nexcept ImportError as e:\n    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert "q4torch.hf needs the transformers package (pip install 'q4[hf]')" in r.stdout, r.stdout + r.stderr
