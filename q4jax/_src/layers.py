@@ -348,7 +348,20 @@ class Linear4bit(_QuantLinear):
         if packed.shape[0] != want:
             errs.append(f"'{k_w}' holds {packed.shape[0]} bytes, its quant_state shape {tuple(st.shape)} needs {want}")
             return None
-        packed_dev = _device_copy(packed)
+        packed_dev, state = self._prepared(packed, st)
+
+        def apply():
+            self._install(packed_dev, state)
+            if bias_apply:
+                bias_apply()
+            self._place_bias(self.sharding)
+
+        return apply
+
+    @staticmethod
+    def _prepared(packed: np.ndarray, st: NpQuantState) -> tuple[jax.Array, QuantState]:
+        """Device copies of validated packed bytes and their state (the
+        caller's arrays are never aliased)."""
         st = NpQuantState(
             st.quant_type,
             st.blocksize,
@@ -359,18 +372,30 @@ class Linear4bit(_QuantLinear):
             st.nested_offset,
             st.nested_blocksize,
         )
-        state = QuantState.from_numpy(st)
+        return _device_copy(packed), QuantState.from_numpy(st)
 
-        def apply():
-            self.quant_type, self.blocksize, self.compress_statistics = st.quant_type, st.blocksize, st.nested
-            p, s = (packed_dev, state) if self.sharding is None else shard_4bit(packed_dev, state, self.sharding)
-            self.weight.set_value(p)
-            self.quant_state.set_value(s)
-            if bias_apply:
-                bias_apply()
-            self._place_bias(self.sharding)
+    def _install(self, packed: jax.Array, state: QuantState) -> None:
+        self.quant_type, self.blocksize = state.quant_type, state.blocksize
+        self.compress_statistics = state.nested_absmax is not None
+        p, s = (packed, state) if self.sharding is None else shard_4bit(packed, state, self.sharding)
+        self.weight.set_value(p)
+        self.quant_state.set_value(s)
 
-        return apply
+    def set_quantized(self, packed: np.ndarray, state: NpQuantState) -> Linear4bit:
+        """Take already-quantized bytes and state (q4's error-minimising
+        quantizers, README "Better 4-bit at the same bytes"), validated
+        against this layer's shape; replaces the weight wholesale."""
+        st = state.validate()
+        if tuple(st.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight shape {tuple(st.shape)} does not match this layer's "
+                f"{(self.out_features, self.in_features)}"
+            )
+        packed = np.ascontiguousarray(packed).view(np.uint8).reshape(-1, 1)
+        if packed.shape[0] != formats.packed_bytes(st.numel):
+            raise ValueError(f"{packed.shape[0]} packed bytes for shape {tuple(st.shape)}")
+        self._install(*self._prepared(packed, st))
+        return self
 
 
 class Linear8bit(_QuantLinear):

@@ -7,10 +7,11 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
-from q4._src import formats
+from q4._src import formats, quantizers
 from q4jax._src.embedding import Embedding4bit, Embedding8bit
 from q4jax._src.layers import Linear4bit, Linear8bit
 
@@ -76,6 +77,8 @@ def quantize_model(
     skip: tuple[str, ...] = ("lm_head",),
     activation_quant: str | None = None,
     embeddings: bool = False,
+    method: str = "absmax",
+    calibration=None,
 ) -> nnx.Module:
     """Replace every nnx.Linear below ``module`` in place with a Linear4bit
     (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
@@ -92,19 +95,38 @@ def quantize_model(
     ``embeddings=True`` also replaces every nnx.Embed (same skip rules) by an
     Embedding4bit with the same quant_type, blocksize and compress_statistics,
     or an Embedding8bit for "int8" (q4jax/_src/embedding.py).
+
+    ``method`` chooses the 4-bit scales and codes, as q4torch.replace_linear's
+    (the same numpy quantizers, so identical weights and Hessians give
+    identical bytes): 'absmax' (bitsandbytes'), 'mse', or 'gptq' with
+    ``calibration``, an iterable of model inputs (an array, a tuple of
+    positional arguments, or a dict of keyword arguments whose
+    'attention_mask', if any, leaves padding tokens out), run eagerly once
+    through the float model.
     """
     check_graph_root(module, "quantize_model")
     formats.check_layer_options(quant_type, blocksize, activation_quant)
+    quantizers.check_method(method)
+    if method != "absmax" and quant_type == "int8":
+        raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+    if (method == "gptq") != (calibration is not None):
+        raise ValueError("method='gptq' needs calibration=<batches of model inputs>, and only it takes calibration")
     if isinstance(module, nnx.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
     if isinstance(skip, str):
         skip = (skip,)
     kinds = (nnx.Linear, nnx.LoRALinear, nnx.Embed) if embeddings else (nnx.Linear, nnx.LoRALinear)
     targets = [(p, parent, key, child) for p, parent, key, child in graph_edges(module) if type(child) in kinds]
+
+    def skipped(path) -> bool:
+        return path_name(path) in skip or any(str(k) in skip for k in path)
+
+    linears = [e for e in targets if type(e[3]) is not nnx.Embed and not skipped(e[0])]
+    hessians = _calibrate(module, linears, calibration, blocksize) if method == "gptq" else {}
     replaced: dict[int, nnx.Module] = {}
     for path, parent, key, child in targets:
         name = path_name(path)
-        if name in skip or any(str(k) in skip for k in path):
+        if skipped(path):
             logger.info("q4jax.quantize_model: kept %s dense (skip list)", name)
             continue
         if type(child) is nnx.Embed:
@@ -128,6 +150,9 @@ def quantize_model(
                     compute_dtype=compute_dtype,
                     activation_quant=activation_quant,
                 )
+                if method != "absmax":
+                    new.set_quantized(*_error_minimised(child, method, hessians.get(id(child)), new))
+                    logger.info("q4jax.quantize_model(method=%r): %s", method, name)
             if type(child) is nnx.LoRALinear:  # quantize the base, keep the adapters
                 from q4jax._src.lora import lora_from_lora_linear
 
@@ -144,6 +169,71 @@ def quantize_model(
             quant_type,
         )
     return module
+
+
+def _error_minimised(linear, method: str, hessian, layer: Linear4bit):
+    """(packed, state) of a Linear's W = kernel.T by the 'mse' or 'gptq'
+    quantizer with ``layer``'s settings."""
+    kernel = linear.kernel.get_value()
+    w = np.asarray(kernel, np.float32).T
+    dtype = np.dtype(kernel.dtype).name
+    if method == "mse":
+        return quantizers.quantize_mse(w, layer.blocksize, layer.quant_type, layer.compress_statistics, dtype)
+    return quantizers.gptq(w, hessian, layer.blocksize, layer.quant_type, layer.compress_statistics, dtype=dtype)
+
+
+class _Recorder(nnx.Module):
+    """Stands in for a Linear during calibration: adds each input to its
+    Hessian accumulator (host numpy), then calls the Linear."""
+
+    def __init__(self, inner, acc, mask):
+        self.inner = inner
+        self._acc = acc
+        self._mask = mask
+
+    def __call__(self, x, *args, **kwargs):
+        self._acc.add(np.asarray(x, np.float32), self._mask[0])
+        return self.inner(x, *args, **kwargs)
+
+
+def _calibrate(module, linears, calibration, blocksize: int) -> dict[int, np.ndarray]:
+    """GPTQ's Hessians (sum of x x^T, fp64) of each Linear's inputs over the
+    calibration batches, from one eager pass of the float model."""
+    bad = [path_name(p) for p, _, _, c in linears if c.in_features % blocksize]
+    if bad:
+        raise ValueError(
+            f"method='gptq' needs in_features to be a multiple of the block size {blocksize}: {bad[:8]}; "
+            "skip them (skip=...) or use method='mse'"
+        )
+    accs: dict[int, quantizers.HessianAccumulator] = {}
+    names: dict[int, str] = {}
+    mask: list = [None]
+    swapped = []
+    for path, parent, key, child in linears:
+        acc = accs.setdefault(id(child), quantizers.HessianAccumulator(child.in_features))
+        names.setdefault(id(child), path_name(path))
+        set_child(parent, key, _Recorder(child, acc, mask))
+        swapped.append((parent, key, child))
+    try:
+        for i, batch in enumerate(calibration):
+            if isinstance(batch, dict):
+                m = batch.get("attention_mask")
+                mask[0] = None if m is None else np.asarray(m)
+                module(**batch)
+            elif isinstance(batch, (tuple, list)):
+                mask[0] = None
+                module(*batch)
+            else:
+                mask[0] = None
+                module(batch)
+            logger.info("q4jax.quantize_model(method='gptq'): calibration batch %d", i + 1)
+    finally:
+        for parent, key, child in swapped:
+            set_child(parent, key, child)
+    unseen = [names[i] for i, a in accs.items() if a.rows == 0]
+    if unseen:
+        raise ValueError(f"method='gptq': these layers saw no calibration input: {unseen[:8]}; skip them (skip=...)")
+    return {i: a.h for i, a in accs.items()}
 
 
 def _replace_embed(replaced, parent, key, child, name, quant_type, blocksize, compress_statistics) -> None:

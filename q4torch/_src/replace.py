@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import q4
-from q4._src import formats
+from q4._src import formats, quantizers
 
 logger = logging.getLogger("q4torch")
 
@@ -26,7 +26,15 @@ def _skipped(name: str, skip) -> bool:
 
 
 def _quantized(
-    linear: nn.Linear, quant_type, compute_dtype, blocksize, compress_statistics, threshold, activation_quant=None
+    linear: nn.Linear,
+    quant_type,
+    compute_dtype,
+    blocksize,
+    compress_statistics,
+    threshold,
+    activation_quant=None,
+    method: str = "absmax",
+    hessian: np.ndarray | None = None,
 ) -> nn.Module:
     from q4torch.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
 
@@ -54,14 +62,26 @@ def _quantized(
             device="meta",
         )
         new4.activation_quant = activation_quant
-        new.weight = Params4bit(
-            weight.clone(),
-            requires_grad=False,
-            blocksize=blocksize,
-            compress_statistics=compress_statistics,
-            quant_type=quant_type,
-            module=new4,
-        )
+        if method == "absmax":
+            new.weight = Params4bit(
+                weight.clone(),
+                requires_grad=False,
+                blocksize=blocksize,
+                compress_statistics=compress_statistics,
+                quant_type=quant_type,
+                module=new4,
+            )
+        else:
+            w = weight.float().cpu().numpy()
+            dtype = str(weight.dtype).removeprefix("torch.")
+            if method == "mse":
+                packed, st = quantizers.quantize_mse(w, blocksize, quant_type, compress_statistics, dtype)
+            else:
+                if hessian is None:
+                    raise ValueError("method='gptq' needs the layer's Hessian")
+                packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, compress_statistics, dtype=dtype)
+            stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
+            new.weight = Params4bit.from_prequantized(torch.from_numpy(packed), stats, device="cpu", module=new4)
     if linear.bias is not None:
         new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
     return new.to(device)
@@ -78,6 +98,8 @@ def replace_linear(
     skip=("lm_head",),
     activation_quant: str | None = None,
     embeddings: bool = False,
+    method: str = "absmax",
+    calibration=None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` in place by a quantized layer
     (``Linear4bit`` for 'nf4'/'fp4', ``Linear8bitLt`` for 'int8'), keeping its
@@ -93,12 +115,26 @@ def replace_linear(
     ``embeddings=True`` also replaces every ``nn.Embedding`` (same skip rules)
     by an ``Embedding4bit`` with the same quant_type, blocksize and
     compress_statistics, or an ``Embedding8bit`` for 'int8'.
+
+    ``method`` chooses the 4-bit scales and codes (the bytes stay
+    bitsandbytes' format; README "Better 4-bit at the same bytes"): 'absmax'
+    (bitsandbytes' quantizer, the default), 'mse' (per-block scale search,
+    no data) or 'gptq' (GPTQ with each layer's inputs over ``calibration``,
+    an iterable of model inputs: a tensor, a tuple of positional arguments,
+    or a dict of keyword arguments, whose 'attention_mask', if any, leaves
+    padding tokens out). One calibration pass runs the float model first.
     """
     from q4torch._src.embedding import quantized_embedding
 
     formats.check_layer_options(quant_type, blocksize, activation_quant)
+    quantizers.check_method(method)
+    if method != "absmax" and quant_type == "int8":
+        raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+    if (method == "gptq") != (calibration is not None):
+        raise ValueError("method='gptq' needs calibration=<batches of model inputs>, and only it takes calibration")
     if isinstance(skip, str):
         skip = (skip,)
+    hessians = _calibrate(model, skip, calibration, blocksize) if method == "gptq" else {}
     replaced: dict[int, nn.Module] = {}
     names: list[str] = []
     before = after = 0
@@ -123,9 +159,19 @@ def replace_linear(
                     except ValueError as e:
                         raise ValueError(f"{name}: {e}; skip it (skip=...) or leave activation_quant unset") from None
                 new = _quantized(
-                    child, quant_type, compute_dtype, blocksize, compress_statistics, threshold, activation_quant
+                    child,
+                    quant_type,
+                    compute_dtype,
+                    blocksize,
+                    compress_statistics,
+                    threshold,
+                    activation_quant,
+                    method,
+                    hessians.get(id(child)),
                 )
                 replaced[id(child)] = new
+                if method != "absmax":
+                    logger.info("replace_linear(method=%r): %s (%d of %d)", method, name, len(replaced), len(hessians))
                 before += child.weight.numel() * child.weight.element_size()
                 after += sum(t.numel() * t.element_size() for t in new.state_dict().values())
                 names.append(name)
@@ -140,6 +186,64 @@ def replace_linear(
         after / 2**20,
     )
     return model
+
+
+def _targets(model: nn.Module, skip) -> dict[int, tuple[str, nn.Linear]]:
+    """The nn.Linear layers replace_linear would replace (each once), by id."""
+    out: dict[int, tuple[str, nn.Linear]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if type(m) is nn.Linear and not _skipped(name, skip):
+            out.setdefault(id(m), (name, m))
+    return out
+
+
+def _calibrate(model: nn.Module, skip, calibration, blocksize: int) -> dict[int, np.ndarray]:
+    """GPTQ's Hessians: sum of x x^T (fp64) of each target layer's inputs over
+    the calibration batches, from one eval-mode, no-grad pass of the float
+    model (forward hooks; attention_mask rows of 0 left out)."""
+    targets = _targets(model, skip)
+    bad = [name for name, m in targets.values() if m.in_features % blocksize]
+    if bad:
+        raise ValueError(
+            f"method='gptq' needs in_features to be a multiple of the block size {blocksize}: {bad[:8]}; "
+            "skip them (skip=...) or use method='mse'"
+        )
+    acc = {i: quantizers.HessianAccumulator(m.in_features) for i, (_, m) in targets.items()}
+    mask: list = [None]
+
+    def hook(i):
+        def record(module, args):
+            acc[i].add(args[0].detach().float().cpu().numpy(), mask[0])
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(i)) for i, (_, m) in targets.items()]
+    was_training = model.training
+    model.eval()
+    batches = 0
+    try:
+        with torch.no_grad():
+            for batch in calibration:
+                if isinstance(batch, Mapping):
+                    m = batch.get("attention_mask")
+                    mask[0] = None if m is None else m.detach().cpu().numpy()
+                    model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    mask[0] = None
+                    model(*batch)
+                else:
+                    mask[0] = None
+                    model(batch)
+                batches += 1
+                logger.info("replace_linear(method='gptq'): calibration batch %d", batches)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    unseen = [targets[i][0] for i, a in acc.items() if a.rows == 0]
+    if unseen:
+        raise ValueError(f"method='gptq': these layers saw no calibration input: {unseen[:8]}; skip them (skip=...)")
+    return {i: a.h for i, a in acc.items()}
 
 
 def _to_torch(value) -> torch.Tensor:
