@@ -119,6 +119,7 @@ def cmd_quantize(args) -> int:
         skip=tuple(args.skip),
         default_skip=not args.no_default_skip,
         embeddings=args.embeddings,
+        method=args.method,
     )
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
     if not res.layers:
@@ -310,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="4-bit block size, a power of two in [32, 4096] (default: 64)",
     )
     q.add_argument("--no-nested", action="store_true", help="4-bit: keep the fp32 absmax (no nested 8-bit statistics)")
+    q.add_argument(
+        "--method",
+        default="absmax",
+        metavar="M",
+        help="4-bit scales: absmax (bitsandbytes', default) or mse (per-block scale search, lower error, same "
+        "format); gptq needs the model: q4torch.replace_linear / q4jax.quantize_model",
+    )
     q.add_argument(
         "--skip",
         action="append",

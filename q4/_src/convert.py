@@ -76,11 +76,19 @@ class Options:
     skip: tuple[str, ...] = ()  # fnmatch patterns on layer names (the key without '.weight')
     default_skip: bool = True  # also skip DEFAULT_SKIP
     embeddings: bool = False  # quantize the embeddings too (drop EMBEDDING_PATTERNS from the default skips)
+    method: str = "absmax"  # 4-bit scales: 'absmax' (bitsandbytes') or 'mse' (q4/_src/quantizers.py)
 
     def check(self) -> Options:
         formats.check_layer_type(self.quant_type, "--type")
         if self.quant_type != "int8":
             formats.check_blocksize(self.blocksize)
+        if self.method not in ("absmax", "mse"):
+            raise ValueError(
+                f"--method must be absmax or mse, got {self.method!r} (gptq needs the model and calibration "
+                "data: q4torch.replace_linear / q4jax.quantize_model(method='gptq', calibration=...))"
+            )
+        if self.method != "absmax" and self.quant_type == "int8":
+            raise ValueError(f"--method {self.method} applies to the 4-bit types (nf4, fp4), not to int8")
         return self
 
     def skipped(self, layer: str) -> str | None:
@@ -279,7 +287,7 @@ def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndar
         out = {prefix + "weight": cb, prefix + "SCB": scb, prefix + "weight_format": np.array(0, np.uint8)}
         approx = dequantize_weight_int8(cb, scb)
     else:
-        packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested)
+        packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested, opts.method)
         out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
         approx = dequantize_weight_4bit(packed, state)
     err = _rel_error(w, approx)

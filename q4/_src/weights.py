@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from q4._src import formats
+from q4._src import formats, quantizers
 from q4._src.kernels import dequantize_4bit, dequantize_blockwise, int8_quantize_rows, quantize_4bit, quantize_nested
 from q4._src.quant_state import QuantState
 
 
 def quantize_weight_4bit(
-    w: np.ndarray, blocksize: int = 64, quant_type: str = "nf4", nested: bool = True
+    w: np.ndarray, blocksize: int = 64, quant_type: str = "nf4", nested: bool = True, method: str = "absmax"
 ) -> tuple[np.ndarray, QuantState]:
     """(packed uint8 [ceil(n/2), 1], QuantState) of a float array, as a
-    bitsandbytes Linear4bit stores it; the state's dtype is w's dtype."""
+    bitsandbytes Linear4bit stores it; the state's dtype is w's dtype.
+    ``method='mse'`` chooses each block's scale by error (q4/_src/quantizers.py)."""
     w = np.asarray(w)
+    if quantizers.check_method(method) == "mse":
+        return quantizers.quantize_mse(w, blocksize, quant_type, nested)
+    if method != "absmax":
+        raise ValueError(f"method={method!r} needs calibration data: use replace_linear / quantize_model")
     packed, absmax = quantize_4bit(w, blocksize, quant_type)
     state = QuantState(quant_type, blocksize, tuple(int(s) for s in w.shape), w.dtype.name, absmax)
     if nested:
