@@ -70,6 +70,7 @@ class Settings:
     threshold: float = 6.0
     skip_modules: tuple[str, ...] | None = None
     activation_quant: str | None = None
+    method: str = "absmax"  # 4-bit scales: 'absmax' (bitsandbytes') or 'mse'
 
     @classmethod
     def of(cls, config: QuantizationConfigMixin) -> Settings:
@@ -119,7 +120,8 @@ class Q4Config(QuantizationConfigMixin):
     ``skip_modules``: module names kept in full precision (transformers'
     matching: a prefix at a module boundary, a regex, or a suffix); None keeps
     transformers' default (the output head). ``compute_dtype`` and
-    ``activation_quant`` ('int8': W4A8) as for ``q4torch.nn.Linear4bit``.
+    ``activation_quant`` ('int8': W4A8) as for ``q4torch.nn.Linear4bit``;
+    ``method='mse'`` chooses each block's scale by error (same format).
 
     The layers, bytes and results are those of ``q4torch.replace_linear`` with
     the same arguments. ``save_pretrained`` writes the bitsandbytes format and,
@@ -137,12 +139,18 @@ class Q4Config(QuantizationConfigMixin):
         skip_modules: list[str] | None = None,
         activation_quant: str | None = None,
         quant_storage: torch.dtype | str = torch.uint8,
+        method: str = "absmax",
         **kwargs: Any,
     ):
         self.quant_method = METHOD  # type: ignore[assignment]  # transformers' enum has no member for it
         formats.check_layer_options(quant_type, blocksize, activation_quant)
         if not threshold >= 0:
             raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        if method not in ("absmax", "mse") or (method == "mse" and quant_type == "int8"):
+            raise ValueError(
+                f"Q4Config method must be 'absmax' or 'mse' (4-bit), got {method!r} with quant_type {quant_type!r} "
+                "(gptq needs calibration: q4torch.replace_linear(model, method='gptq', calibration=...))"
+            )
         unknown = sorted(set(kwargs) - {"q4", "quant_method"})
         if unknown:
             raise TypeError(f"Q4Config got unexpected arguments {unknown}")
@@ -155,6 +163,7 @@ class Q4Config(QuantizationConfigMixin):
             threshold=float(threshold),
             skip_modules=None if skip_modules is None else tuple(skip_modules),
             activation_quant=activation_quant,
+            method=method,
         )
 
     def __getattr__(self, name: str):
@@ -174,7 +183,12 @@ class Q4Config(QuantizationConfigMixin):
         "q4" (ignored by bitsandbytes): the file is bitsandbytes' format."""
         s = self.settings
         qc = s.bitsandbytes_dict()
-        qc["q4"] = {"quant_type": s.quant_type, "blocksize": s.blocksize, "activation_quant": s.activation_quant}
+        qc["q4"] = {
+            "quant_type": s.quant_type,
+            "blocksize": s.blocksize,
+            "activation_quant": s.activation_quant,
+            "method": s.method,
+        }
         return qc
 
     def __repr__(self) -> str:
@@ -228,9 +242,16 @@ class Q4Quantize(ConversionOps):
                     f"{name}: the checkpoint's weight has shape {tuple(value.shape)}, the layer expects "
                     f"{(module.out_features, module.in_features)}"
                 )
-            result[name] = quantized_weight(
-                module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage
-            )
+            if s.method == "mse" and not isinstance(module, _layer_kind()[1]):
+                from q4torch._src.replace import error_minimised_weight
+
+                result[name] = error_minimised_weight(
+                    value, module, s.blocksize, s.quant_type, s.compress_statistics, "mse"
+                ).to(value.device)
+            else:
+                result[name] = quantized_weight(
+                    module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage
+                )
             module._is_hf_initialized = True
         return result
 

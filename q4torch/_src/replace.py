@@ -72,19 +72,31 @@ def _quantized(
                 module=new4,
             )
         else:
-            w = weight.float().cpu().numpy()
-            dtype = str(weight.dtype).removeprefix("torch.")
-            if method == "mse":
-                packed, st = quantizers.quantize_mse(w, blocksize, quant_type, compress_statistics, dtype)
-            else:
-                if hessian is None:
-                    raise ValueError("method='gptq' needs the layer's Hessian")
-                packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, compress_statistics, dtype=dtype)
-            stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
-            new.weight = Params4bit.from_prequantized(torch.from_numpy(packed), stats, device="cpu", module=new4)
+            new.weight = error_minimised_weight(
+                weight, new4, blocksize, quant_type, compress_statistics, method, hessian
+            )
     if linear.bias is not None:
         new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
     return new.to(device)
+
+
+def error_minimised_weight(
+    weight: torch.Tensor, layer, blocksize: int, quant_type: str, nested: bool, method: str, hessian=None
+) -> nn.Parameter:
+    """A Params4bit for ``layer`` from a float weight by q4's 'mse' or 'gptq'
+    quantizer (q4/_src/quantizers.py; the bitsandbytes format), on the CPU."""
+    from q4torch.nn import Params4bit
+
+    w = weight.detach().float().cpu().numpy()
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if method == "mse":
+        packed, st = quantizers.quantize_mse(w, blocksize, quant_type, nested, dtype)
+    else:
+        if hessian is None:
+            raise ValueError("method='gptq' needs the layer's Hessian")
+        packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, nested, dtype=dtype)
+    stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
+    return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device="cpu", module=layer)
 
 
 def replace_linear(

@@ -70,6 +70,7 @@ CONFIGS = {
     "nf4-bs64-nested": dict(quant_type="nf4"),
     "fp4-bs128-plain": dict(quant_type="fp4", blocksize=128, compress_statistics=False),
     "int8-t6": dict(quant_type="int8"),
+    "nf4-mse": dict(quant_type="nf4", method="mse"),
 }
 
 
@@ -80,7 +81,7 @@ def test_quantize_on_load_equals_replace_linear(minilm, batch, name):
     want = AutoModel.from_pretrained(minilm)
     q4torch.replace_linear(
         want, kw["quant_type"], blocksize=kw.get("blocksize", 64), compress_statistics=kw.get("compress_statistics", True),
-        threshold=6.0,
+        threshold=6.0, method=kw.get("method", "absmax"),
     )  # fmt: skip
     assert_same_layers(got, want)
     assert torch.equal(embed(got, batch), embed(want, batch))
@@ -242,6 +243,8 @@ def test_bad_configs_are_refused():
         hf.Q4Config(bnb_4bit_quant_type="nf4")
     with pytest.raises(ValueError, match="float64"):
         hf.Q4Config(compute_dtype="float64")
+    with pytest.raises(ValueError, match="got 'gptq'"):
+        hf.Q4Config(method="gptq")
 
 
 def test_w4a8_refuses_a_layer_off_the_block(tmp_path):
