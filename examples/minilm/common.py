@@ -114,3 +114,21 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine similarity of two [n, d] arrays."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def calibration_sentences(n: int = 128) -> list[str]:
+    """``n`` English sentences for calibration (GPTQ), disjoint from SENTENCES:
+    prose from Python's own documentation (the standard library's
+    pydoc_data.topics, so nothing is downloaded), in a fixed order."""
+    import re
+    from pydoc_data.topics import topics
+
+    text = " ".join(topics[k] for k in sorted(topics))
+    out = []
+    for s in re.split(r"(?<=[.!?])\s+", text):
+        s = s.strip()
+        if 40 < len(s) < 200 and "\n" not in s and re.match(r"^[A-Z][a-z]", s) and s not in SENTENCES:
+            out.append(s)
+        if len(out) == n:
+            return out
+    raise ValueError(f"only {len(out)} calibration sentences available, asked for {n}")

@@ -126,3 +126,28 @@ def with_bitsandbytes(model: MiniLM, quant_type: str = "nf4", blocksize: int = 6
         layer.bias = nn.Parameter(lin.bias.detach().clone(), requires_grad=False)
         model.set_submodule(name, layer.to("cpu"))  # quantizes on the move
     return model
+
+
+def load_into_bitsandbytes(model: MiniLM, tensors: dict[str, np.ndarray]) -> MiniLM:
+    """A copy of ``model`` whose quantized layers (those ``tensors`` stores as
+    4-bit entries) are bitsandbytes' Linear4bit holding exactly those bytes
+    (bitsandbytes' own prequantized loader; fp32 compute)."""
+    import copy
+
+    import bitsandbytes as bnb
+
+    model = copy.deepcopy(model)
+    for name, lin in list(model.named_modules()):
+        key = f"{name}.weight"
+        if not any(k.startswith(key + ".quant_state.") for k in tensors):
+            continue
+        layer = bnb.nn.Linear4bit(lin.in_features, lin.out_features, compute_dtype=torch.float32, device="meta")
+        stats = {
+            k[len(key) + 1 :]: torch.from_numpy(np.array(v)) for k, v in tensors.items() if k.startswith(key + ".")
+        }
+        layer.weight = bnb.nn.Params4bit.from_prequantized(
+            torch.from_numpy(np.array(tensors[key])), stats, requires_grad=False, device="cpu", module=layer
+        )
+        layer.bias = nn.Parameter(torch.from_numpy(np.array(tensors[f"{name}.bias"])), requires_grad=False)
+        model.set_submodule(name, layer)
+    return model.eval()
