@@ -214,3 +214,39 @@ class HessianAccumulator:
     def h(self) -> np.ndarray:
         self._flush()
         return self._h
+
+
+def check_gptq_layers(layers: list[tuple[str, int]], blocksize: int) -> None:
+    """(name, in_features) of the layers GPTQ will quantize: each must hold whole blocks per row."""
+    bad = [name for name, k in layers if k % blocksize]
+    if bad:
+        raise ValueError(
+            f"method='gptq' needs in_features to be a multiple of the block size {blocksize}: {bad[:8]}; "
+            "skip them (skip=...) or use method='mse'"
+        )
+
+
+def run_calibration(model, calibration, mask: list, to_numpy, log) -> None:
+    """Call ``model`` on each calibration item (a dict: keyword arguments, its
+    'attention_mask' put in ``mask[0]`` as numpy; a tuple / list: positional
+    arguments; anything else: the one argument), logging progress."""
+    for i, batch in enumerate(calibration):
+        if isinstance(batch, dict) or hasattr(batch, "keys") and hasattr(batch, "__getitem__"):
+            m = batch.get("attention_mask")
+            mask[0] = None if m is None else to_numpy(m)
+            model(**batch)
+        elif isinstance(batch, (tuple, list)):
+            mask[0] = None
+            model(*batch)
+        else:
+            mask[0] = None
+            model(batch)
+        log("calibration batch %d", i + 1)
+
+
+def hessians(accs: dict, names: dict) -> dict:
+    """The accumulated Hessians by key; a layer that saw no input is an error naming it."""
+    unseen = [names[i] for i, a in accs.items() if a.rows == 0]
+    if unseen:
+        raise ValueError(f"method='gptq': these layers saw no calibration input: {unseen[:8]}; skip them (skip=...)")
+    return {i: a.h for i, a in accs.items()}

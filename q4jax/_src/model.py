@@ -199,12 +199,7 @@ class _Recorder(nnx.Module):
 def _calibrate(module, linears, calibration, blocksize: int) -> dict[int, np.ndarray]:
     """GPTQ's Hessians (sum of x x^T, fp64) of each Linear's inputs over the
     calibration batches, from one eager pass of the float model."""
-    bad = [path_name(p) for p, _, _, c in linears if c.in_features % blocksize]
-    if bad:
-        raise ValueError(
-            f"method='gptq' needs in_features to be a multiple of the block size {blocksize}: {bad[:8]}; "
-            "skip them (skip=...) or use method='mse'"
-        )
+    quantizers.check_gptq_layers([(path_name(p), c.in_features) for p, _, _, c in linears], blocksize)
     accs: dict[int, quantizers.HessianAccumulator] = {}
     names: dict[int, str] = {}
     mask: list = [None]
@@ -215,25 +210,13 @@ def _calibrate(module, linears, calibration, blocksize: int) -> dict[int, np.nda
         set_child(parent, key, _Recorder(child, acc, mask))
         swapped.append((parent, key, child))
     try:
-        for i, batch in enumerate(calibration):
-            if isinstance(batch, dict):
-                m = batch.get("attention_mask")
-                mask[0] = None if m is None else np.asarray(m)
-                module(**batch)
-            elif isinstance(batch, (tuple, list)):
-                mask[0] = None
-                module(*batch)
-            else:
-                mask[0] = None
-                module(batch)
-            logger.info("q4jax.quantize_model(method='gptq'): calibration batch %d", i + 1)
+        quantizers.run_calibration(
+            module, calibration, mask, np.asarray, lambda msg, *a: logger.info("q4jax.quantize_model: " + msg, *a)
+        )
     finally:
         for parent, key, child in swapped:
             set_child(parent, key, child)
-    unseen = [names[i] for i, a in accs.items() if a.rows == 0]
-    if unseen:
-        raise ValueError(f"method='gptq': these layers saw no calibration input: {unseen[:8]}; skip them (skip=...)")
-    return {i: a.h for i, a in accs.items()}
+    return quantizers.hessians(accs, names)
 
 
 def _replace_embed(replaced, parent, key, child, name, quant_type, blocksize, compress_statistics) -> None:

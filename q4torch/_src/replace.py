@@ -214,12 +214,7 @@ def _calibrate(model: nn.Module, skip, calibration, blocksize: int) -> dict[int,
     the calibration batches, from one eval-mode, no-grad pass of the float
     model (forward hooks; attention_mask rows of 0 left out)."""
     targets = _targets(model, skip)
-    bad = [name for name, m in targets.values() if m.in_features % blocksize]
-    if bad:
-        raise ValueError(
-            f"method='gptq' needs in_features to be a multiple of the block size {blocksize}: {bad[:8]}; "
-            "skip them (skip=...) or use method='mse'"
-        )
+    quantizers.check_gptq_layers([(name, m.in_features) for name, m in targets.values()], blocksize)
     acc = {i: quantizers.HessianAccumulator(m.in_features) for i, (_, m) in targets.items()}
     mask: list = [None]
 
@@ -232,30 +227,20 @@ def _calibrate(model: nn.Module, skip, calibration, blocksize: int) -> dict[int,
     handles = [m.register_forward_pre_hook(hook(i)) for i, (_, m) in targets.items()]
     was_training = model.training
     model.eval()
-    batches = 0
     try:
         with torch.no_grad():
-            for batch in calibration:
-                if isinstance(batch, Mapping):
-                    m = batch.get("attention_mask")
-                    mask[0] = None if m is None else m.detach().cpu().numpy()
-                    model(**batch)
-                elif isinstance(batch, (tuple, list)):
-                    mask[0] = None
-                    model(*batch)
-                else:
-                    mask[0] = None
-                    model(batch)
-                batches += 1
-                logger.info("replace_linear(method='gptq'): calibration batch %d", batches)
+            quantizers.run_calibration(
+                model,
+                calibration,
+                mask,
+                lambda m: m.detach().cpu().numpy(),
+                lambda msg, *a: logger.info("replace_linear(method='gptq'): " + msg, *a),
+            )
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
-    unseen = [targets[i][0] for i, a in acc.items() if a.rows == 0]
-    if unseen:
-        raise ValueError(f"method='gptq': these layers saw no calibration input: {unseen[:8]}; skip them (skip=...)")
-    return {i: a.h for i, a in acc.items()}
+    return quantizers.hessians(acc, {i: name for i, (name, _) in targets.items()})
 
 
 def _to_torch(value) -> torch.Tensor:
