@@ -44,6 +44,15 @@ int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size) {
   return finish(q4::Status::Ok());
 }
 
+int32_t q4_search_scales_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, float* scales) {
+  return finish(q4::cpu::search_scales_4bit(x, n_blocks, blocksize, quant_type, scales));
+}
+
+int32_t q4_encode_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, const float* scales,
+                       uint8_t* packed) {
+  return finish(q4::cpu::encode_4bit(x, n_blocks, blocksize, quant_type, scales, packed));
+}
+
 int64_t q4_min_blocksize(void) { return q4::kMinBlocksize; }
 int64_t q4_max_blocksize(void) { return q4::kMaxBlocksize; }
 int64_t q4_max_blocksize8(void) { return q4::kMaxBlocksize8; }

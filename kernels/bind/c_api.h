@@ -24,7 +24,11 @@ Q4_API int64_t q4_min_blocksize(void);
 Q4_API int64_t q4_max_blocksize(void);
 Q4_API int64_t q4_max_blocksize8(void); /* 8-bit blockwise */
 Q4_API int64_t q4_nested_blocksize(void);
-Q4_API int64_t q4_w4a8_act_block(int64_t blocksize); /* W4A8's activation block (q4/w4a8.h) */
+Q4_API int32_t q4_search_scales_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type,
+                                     float* scales); /* the 'mse' scale per full fp32 block (q4/kernels.h) */
+Q4_API int32_t q4_encode_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type,
+                              const float* scales, uint8_t* packed); /* nibbles with given scales (q4/kernels.h) */
+Q4_API int64_t q4_w4a8_act_block(int64_t blocksize);                 /* W4A8's activation block (q4/w4a8.h) */
 
 Q4_API int32_t q4_cpu_isa(void);
 Q4_API int32_t q4_cpu_has_avx2(void);

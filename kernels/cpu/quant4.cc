@@ -35,6 +35,13 @@ float block_absmax_scalar(const T* x, int64_t len) {
   return nan ? __builtin_nanf("") : m;
 }
 
+// Nibbles of a full block's x * inv (scalar).
+template <QuantType QT>
+void encode_block_scalar(const float* x, int64_t len, float inv, uint8_t* packed) {
+  for (int64_t i = 0; i < len; i += 2)
+    packed[i / 2] = pack2(Code4<QT>::encode(x[i] * inv), Code4<QT>::encode(x[i + 1] * inv));
+}
+
 // Encodes one block (scalar). `partial` selects the division form.
 template <QuantType QT, typename T>
 void quantize_block_scalar(const T* x, int64_t len, bool partial, uint8_t* packed, float* absmax) {
@@ -101,11 +108,10 @@ Q4_AVX2 __m256i rank15(const RankTables& t, __m256 s) {
   return _mm256_or_si256(_mm256_slli_epi32(idx, 1), _mm256_and_si256(_mm256_castps_si256(c4), one));
 }
 
-// Full blocks only (len a multiple of 32).
+// Full blocks only (len a multiple of 32): the nibbles of x * inv.
 template <QuantType QT, typename T>
-Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float* absmax_out) {
-  const float amax = avx2::absmax(x, len);
-  const __m256 inv = _mm256_set1_ps(1.0f / absmax_floor(amax));
+Q4_AVX2 void encode_block_avx2(const T* x, int64_t len, float inv_scale, uint8_t* packed) {
+  const __m256 inv = _mm256_set1_ps(inv_scale);
   const RankTables tables = rank_tables<QT>();
   alignas(16) uint8_t rank_to_nibble[16];
   for (int r = 0; r < 16; ++r) rank_to_nibble[r] = uint8_t(Code4<QT>::nibble_of_rank(r));
@@ -124,6 +130,12 @@ Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float
     const __m128i out = _mm_packus_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(packed + i / 2), out);
   }
+}
+
+template <QuantType QT, typename T>
+Q4_AVX2 void quantize_block_avx2(const T* x, int64_t len, uint8_t* packed, float* absmax_out) {
+  const float amax = avx2::absmax(x, len);
+  encode_block_avx2<QT, T>(x, len, 1.0f / absmax_floor(amax), packed);
   *absmax_out = amax;
 }
 
@@ -223,6 +235,81 @@ void dequantize_range(const Dequantize4bitParams& p, int64_t b0, int64_t b1, boo
   }
 }
 
+// ------------------------------------------------------ mse scale search
+// search_scales_4bit (q4/_src/quantizers.py 'mse'): for a full block x[0, bs)
+// (fp32) with a = max|x| finite and > 0, candidate j (0..15) has scale
+// s_j = fp32(a * (32 - j) / 32) and error
+//   err_j = ((L0 + L1) + (L2 + L3)) + ((L4 + L5) + (L6 + L7)),
+//   L_l = sum over i = l (mod 8), in increasing i, of fp32(d_i * d_i),
+//   d_i = x_i - fp32(sorted_value(rank(fp32(x_i * fp32(1 / floor(s_j))))) * s_j)
+// (every operation fp32, no FMA: the scalar and AVX2 paths give the same
+// bits). The block's scale is the s_j of smallest err_j (ties: lowest j). A
+// block whose a is 0, NaN or inf keeps a.
+constexpr int kMseCandidates = 16;
+inline float mse_fraction(int j) { return float(32 - j) / 32.0f; }
+
+inline float lane_tree(const float l[8]) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+template <QuantType QT>
+float search_block_scalar(const float* x, int64_t bs) {
+  const float amax = block_absmax_scalar(x, bs);
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return amax;
+  float best = amax, best_err = 0.0f;
+  for (int j = 0; j < kMseCandidates; ++j) {
+    const float s = amax * mse_fraction(j), inv = 1.0f / absmax_floor(s);
+    float lane[8] = {};
+    for (int64_t i = 0; i < bs; ++i) {
+      const float q = Code4<QT>::decode(Code4<QT>::encode(x[i] * inv)) * s;
+      const float d = x[i] - q;
+      lane[i & 7] += d * d;
+    }
+    const float err = lane_tree(lane);
+    if (j == 0 || err < best_err) {
+      best_err = err;
+      best = s;
+    }
+  }
+  return best;
+}
+
+#if Q4_HAVE_AVX2_CODE
+template <QuantType QT>
+Q4_AVX2 float search_block_avx2(const float* x, int64_t bs) {
+  const float amax = avx2::absmax(x, bs);
+  if (!(amax > 0.0f) || !std::isfinite(amax)) return amax;
+  const RankTables tables = rank_tables<QT>();
+  alignas(32) float lo[8], hi[8];  // values in sorted (rank) order
+  for (int r = 0; r < 8; ++r) {
+    lo[r] = Code4<QT>::decode(Code4<QT>::nibble_of_rank(r));
+    hi[r] = Code4<QT>::decode(Code4<QT>::nibble_of_rank(r + 8));
+  }
+  const __m256 vlo = _mm256_load_ps(lo), vhi = _mm256_load_ps(hi);
+  float best = amax, best_err = 0.0f;
+  for (int j = 0; j < kMseCandidates; ++j) {
+    const float s = amax * mse_fraction(j);
+    const __m256 inv = _mm256_set1_ps(1.0f / absmax_floor(s)), sv = _mm256_set1_ps(s);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < bs; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + i);
+      const __m256i r = rank15(tables, _mm256_mul_ps(xv, inv));
+      // rank >= 8 (bit 3) selects the upper table; permutevar8x32 uses the low 3 bits
+      const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(r, 28));
+      const __m256 val = _mm256_blendv_ps(_mm256_permutevar8x32_ps(vlo, r), _mm256_permutevar8x32_ps(vhi, r), upper);
+      const __m256 d = _mm256_sub_ps(xv, _mm256_mul_ps(val, sv));
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(d, d));
+    }
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, acc);
+    const float err = lane_tree(lane);
+    if (j == 0 || err < best_err) {
+      best_err = err;
+      best = s;
+    }
+  }
+  return best;
+}
+#endif
+
 }  // namespace
 
 Status quantize_4bit(const Quantize4bitParams& p) {
@@ -249,6 +336,65 @@ Status dequantize_4bit(const Dequantize4bitParams& p) {
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
     Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
       parallel_for(blocks, grain, [&](int64_t b0, int64_t b1) { dequantize_range<QT, T>(p, b0, b1, simd); });
+    });
+  });
+  return Status::Ok();
+}
+
+namespace {
+Status check_block_args(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, const void* out) {
+  if (n_blocks < 0) return Status::Invalid("n_blocks must be >= 0, got " + std::to_string(n_blocks));
+  if (blocksize < kMinBlocksize || blocksize > kMaxBlocksize || (blocksize & (blocksize - 1)) != 0)
+    return Status::Invalid("blocksize must be a power of two in [" + std::to_string(kMinBlocksize) + ", " +
+                           std::to_string(kMaxBlocksize) + "], got " + std::to_string(blocksize));
+  if (quant_type != kNF4 && quant_type != kFP4)
+    return Status::Invalid("quant_type must be 0 (nf4) or 1 (fp4), got " + std::to_string(quant_type));
+  if (n_blocks > 0 && (x == nullptr || out == nullptr)) return Status::Invalid("x and the output must not be null");
+  if (n_blocks > (int64_t(1) << 62) / blocksize) return Status::Invalid("n_blocks * blocksize overflows");
+  return Status::Ok();
+}
+}  // namespace
+
+Status encode_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, const float* scales,
+                   uint8_t* packed) {
+  Status st = check_block_args(x, n_blocks, blocksize, quant_type, packed);
+  if (!st.ok()) return st;
+  if (n_blocks > 0 && scales == nullptr) return Status::Invalid("scales must not be null");
+  const bool simd = cpu_isa() >= kIsaAvx2;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / blocksize);
+  Q4_QUANT_SWITCH(quant_type, QT, [&] {
+    parallel_for(n_blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float inv = 1.0f / absmax_floor(scales[b]);
+#if Q4_HAVE_AVX2_CODE
+        if (simd) {
+          encode_block_avx2<QT, float>(x + b * blocksize, blocksize, inv, packed + b * blocksize / 2);
+          continue;
+        }
+#endif
+        encode_block_scalar<QT>(x + b * blocksize, blocksize, inv, packed + b * blocksize / 2);
+      }
+    });
+  });
+  return Status::Ok();
+}
+
+Status search_scales_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, float* scales) {
+  Status st = check_block_args(x, n_blocks, blocksize, quant_type, scales);
+  if (!st.ok()) return st;
+  const bool simd = cpu_isa() >= kIsaAvx2;
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / (16 * blocksize));
+  Q4_QUANT_SWITCH(quant_type, QT, [&] {
+    parallel_for(n_blocks, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+#if Q4_HAVE_AVX2_CODE
+        if (simd) {
+          scales[b] = search_block_avx2<QT>(x + b * blocksize, blocksize);
+          continue;
+        }
+#endif
+        scales[b] = search_block_scalar<QT>(x + b * blocksize, blocksize);
+      }
     });
   });
   return Status::Ok();

@@ -6,6 +6,8 @@ every size is explicit and checked by the library before memory is touched.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from q4._src import formats, native
@@ -131,6 +133,35 @@ def _input(x: np.ndarray) -> np.ndarray:
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
     return np.ascontiguousarray(x)
+
+
+def search_scales_4bit(blocks: np.ndarray, quant_type: str = "nf4") -> np.ndarray:
+    """The 'mse' scale (float32 [nb]) of each row of fp32 ``blocks`` [nb, bs]
+    (kernels: search_scales_4bit in q4/kernels.h)."""
+    x = np.ascontiguousarray(blocks, np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"blocks must be 2-D [n_blocks, blocksize], got shape {x.shape}")
+    bs, qt = formats.check_blocksize(x.shape[1]), formats.check_quant_type(quant_type)
+    out = np.empty(x.shape[0], np.float32)
+    fp = ctypes.POINTER(ctypes.c_float)
+    native.check(native.lib().q4_search_scales_4bit(x.ctypes.data_as(fp), x.shape[0], bs, qt, out.ctypes.data_as(fp)))
+    return out
+
+
+def encode_4bit(blocks: np.ndarray, scales: np.ndarray, quant_type: str = "nf4") -> np.ndarray:
+    """Packed nibbles (uint8 [nb * bs / 2]) of fp32 ``blocks`` [nb, bs] with
+    the given per-block ``scales`` [nb] (kernels: encode_4bit in q4/kernels.h)."""
+    x = np.ascontiguousarray(blocks, np.float32)
+    s = np.ascontiguousarray(scales, np.float32).reshape(-1)
+    if x.ndim != 2 or s.shape[0] != x.shape[0]:
+        raise ValueError(f"blocks [n_blocks, blocksize] and scales [n_blocks], got {x.shape} and {s.shape}")
+    bs, qt = formats.check_blocksize(x.shape[1]), formats.check_quant_type(quant_type)
+    out = np.empty(x.size // 2, np.uint8)
+    fp = ctypes.POINTER(ctypes.c_float)
+    native.check(
+        native.lib().q4_encode_4bit(x.ctypes.data_as(fp), x.shape[0], bs, qt, s.ctypes.data_as(fp), out.ctypes.data)
+    )
+    return out
 
 
 def quantize_4bit(x: np.ndarray, blocksize: int = 64, quant_type: str = "nf4") -> tuple[np.ndarray, np.ndarray]:

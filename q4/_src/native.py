@@ -53,6 +53,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_max_blocksize8": (c_int64, []),
     "q4_nested_blocksize": (c_int64, []),
     "q4_w4a8_act_block": (c_int64, [c_int64]),
+    "q4_search_scales_4bit": (c_int32, [_f32p, c_int64, c_int64, c_int32, _f32p]),
+    "q4_encode_4bit": (c_int32, [_f32p, c_int64, c_int64, c_int32, _f32p, c_void_p]),
     "q4_cpu_isa": (c_int32, []),
     "q4_cpu_has_avx2": (c_int32, []),
     "q4_cpu_has_avx512": (c_int32, []),

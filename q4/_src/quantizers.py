@@ -14,8 +14,9 @@ from the plain result and only move away from it where the error drops.
 
 - ``mse`` (no data): per block, the stored absmax is the candidate
   ``fp32(absmax * (32 - j) / 32)``, j = 0..15, whose nearest-code encoding has
-  the smallest squared error (fp64 sum); ties keep the larger scale. Values
-  beyond the chosen scale clip to the end codes.
+  the smallest squared error (fp32, summed in a fixed order: the kernels'
+  search_scales_4bit, vectorised); ties keep the larger scale. Values beyond
+  the chosen scale clip to the end codes.
 - ``gptq`` (calibration data): GPTQ (Frantar et al. 2022) on W [out, in] with
   the Hessian H = sum x x^T of the layer's inputs: columns quantized in
   order, each one's error fed forward through the upper Cholesky factor of
@@ -31,11 +32,10 @@ import functools
 import numpy as np
 
 from q4._src import formats
-from q4._src.kernels import quantize_4bit, quantize_nested
+from q4._src.kernels import encode_4bit, quantize_4bit, quantize_nested, search_scales_4bit
 from q4._src.quant_state import QuantState
 
 METHODS = ("absmax", "mse", "gptq")
-MSE_CANDIDATES = np.array([(32 - j) / 32 for j in range(16)], np.float32)
 _FLOOR = np.float32(1e-38)
 
 
@@ -73,20 +73,10 @@ def decode(nibbles: np.ndarray, scale: np.ndarray, quant_type: str) -> np.ndarra
 
 
 def search_scales(blocks: np.ndarray, quant_type: str) -> np.ndarray:
-    """The ``mse`` scale [nb, 1] of each row of fp32 ``blocks`` [nb, bs]
-    (module docstring); a block with a NaN or inf keeps its absmax."""
-    x = blocks.astype(np.float32)
-    amax = np.abs(x).max(axis=1, keepdims=True)
-    best = amax.copy()
-    best_err = np.full(amax.shape, np.inf)
-    for f in MSE_CANDIDATES:
-        s = (amax * f).astype(np.float32)
-        d = (x - decode(encode(x, s, quant_type), s, quant_type)).astype(np.float64)
-        err = (d * d).sum(axis=1, keepdims=True)
-        better = err < best_err
-        best = np.where(better, s, best)
-        best_err = np.where(better, err, best_err)
-    return np.where(np.isfinite(amax), best, amax).astype(np.float32)
+    """The ``mse`` scale [nb, 1] of each row of fp32 ``blocks`` [nb, bs]: the
+    kernels' search (q4/kernels.h search_scales_4bit; its error sum is fp32 in
+    a fixed order); a block with a NaN or inf keeps its absmax."""
+    return search_scales_4bit(blocks, quant_type)[:, None]
 
 
 def pack(nibbles: np.ndarray) -> np.ndarray:
@@ -120,9 +110,9 @@ def quantize_mse(
         s = search_scales(blocks, quant_type)
         moved = (s[:, 0] != absmax[:n_full]) & np.isfinite(s[:, 0])
         if moved.any():
-            nib = pack(encode(blocks, s, quant_type)).reshape(n_full, blocksize // 2)
+            nib = encode_4bit(blocks[moved], s[moved, 0], quant_type).reshape(-1, blocksize // 2)
             full = packed[: n_full * blocksize // 2].reshape(n_full, blocksize // 2)
-            full[moved] = nib[moved]
+            full[moved] = nib
             absmax = absmax.copy()
             absmax[:n_full] = np.where(moved, s[:, 0], absmax[:n_full])
     return packed, _state(w, absmax, blocksize, quant_type, nested, dtype)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from reference import oracle
 
+import q4
 from q4._src import quantizers as Q
-from q4._src.kernels import quantize_4bit
+from q4._src.kernels import encode_4bit, quantize_4bit, search_scales_4bit
 from q4._src.weights import dequantize_weight_4bit
 
 TYPES = ["nf4", "fp4"]
@@ -61,6 +62,24 @@ def test_encode_with_absmax_gives_the_kernels_bytes(rng, quant_type, blocksize):
 
 @pytest.mark.parametrize("quant_type", TYPES)
 @pytest.mark.parametrize("blocksize", [32, 64, 128])
+def test_search_scales_equals_the_oracle_on_every_path(rng, isa, quant_type, blocksize):
+    """The kernel's scale search (scalar and AVX2 paths) equals the oracle of
+    its contract bit for bit, special blocks included."""
+    w = weight(rng, (40, 384)).reshape(-1, blocksize)
+    w[0] = 0.0  # all zero: keeps 0
+    w[1, 3] = np.nan  # NaN: keeps NaN
+    w[2, 5] = np.inf
+    w[3] *= 1e-30  # tiny
+    w[4] *= 1e30  # huge
+    w[5, : blocksize // 2] = 0.0
+    got = search_scales_4bit(w, quant_type)
+    want = np.array([oracle.mse_scale(b, quant_type) for b in w], np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert q4.cpu_features()["isa"] == isa
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+@pytest.mark.parametrize("blocksize", [32, 64, 128])
 @pytest.mark.parametrize("nested", [False, True], ids=["plain", "nested"])
 def test_mse_picks_the_best_candidate_per_block(rng, quant_type, blocksize, nested):
     w = weight(rng, (40, 384))
@@ -68,25 +87,51 @@ def test_mse_picks_the_best_candidate_per_block(rng, quant_type, blocksize, nest
     s = state.absmax
     x = w.reshape(-1, blocksize)
     amax = np.abs(x).max(1)
-    cands = (amax[:, None] * Q.MSE_CANDIDATES[None, :]).astype(np.float32)
-    assert all(s[b] in cands[b] for b in range(len(s)))
-    errs = np.stack([block_errors(x, cands[:, j], quant_type) for j in range(cands.shape[1])], 1)
-    chosen = block_errors(x, s, quant_type)
-    np.testing.assert_array_equal(chosen, errs.min(1))
-    # ties keep the larger scale
+    cands = np.stack([oracle.mse_errors(b, quant_type)[0] for b in x])
+    errs = np.stack([oracle.mse_errors(b, quant_type)[1] for b in x])
     first = errs.argmin(1)
-    np.testing.assert_array_equal(s, cands[np.arange(len(s)), first])
-    # the bytes decode (oracle) to the chosen values, and never lose to the plain absmax
-    deq = oracle.dequantize_4bit(packed, s, w.size, blocksize, quant_type)
-    plain = block_errors(x, amax, quant_type)
-    assert (chosen <= plain).all() and chosen.sum() < 0.95 * plain.sum()
-    assert np.array_equal(deq.reshape(-1, blocksize)[first == 0], oracle.dequantize_4bit(
-        *quantize_4bit(w, blocksize, quant_type), w.size, blocksize, quant_type
-    ).reshape(-1, blocksize)[first == 0])  # fmt: skip
+    np.testing.assert_array_equal(s, cands[np.arange(len(s)), first])  # the best, ties: the larger scale
+    # fp64 errors (independent of the search's own sum): never worse than absmax, clearly better overall
+    chosen, plain = block_errors(x, s, quant_type), block_errors(x, amax, quant_type)
+    assert (chosen <= plain * (1 + 1e-6)).all() and chosen.sum() < 0.95 * plain.sum()
+    # the bytes are the codes for the chosen scales (oracle), bitsandbytes' where absmax stays
+    deq = oracle.dequantize_4bit(packed, s, w.size, blocksize, quant_type).reshape(-1, blocksize)
+    for b in range(len(s)):
+        inv = np.float32(1) / s[b]
+        codes = oracle.encode4((x[b] * inv).astype(np.float32), quant_type)
+        np.testing.assert_array_equal(deq[b], (oracle.TABLES[quant_type][codes] * s[b]).astype(np.float32))
+    plain_bytes = quantize_4bit(w, blocksize, quant_type)[0].reshape(len(s), -1)
+    np.testing.assert_array_equal(packed.reshape(len(s), -1)[first == 0], plain_bytes[first == 0])
     if nested:
         packed_n, state_n = Q.quantize_mse(w, blocksize, quant_type, nested=True)
         np.testing.assert_array_equal(packed_n, packed)  # codes from the fp32 scale, as the plain path does
         assert state_n.nested and state_n.absmax.dtype == np.uint8
+
+
+@pytest.mark.parametrize("quant_type", TYPES)
+def test_kernel_encode_equals_the_oracle_on_every_path(rng, isa, quant_type):
+    x = weight(rng, (24, 128)).reshape(-1, 64)
+    x[0, :5] = [np.nan, np.inf, -np.inf, 0.0, -0.0]
+    s = (np.abs(x[:, :8]).max(1) * 0.7 + 0.01).astype(np.float32)
+    got = encode_4bit(x, s, quant_type)
+    want = Q.pack(Q.encode(x, s[:, None], quant_type)).reshape(-1)
+    np.testing.assert_array_equal(got, want)
+    for b in range(x.shape[0]):  # and the oracle's encoder
+        with np.errstate(invalid="ignore"):
+            codes = oracle.encode4((x[b] * (np.float32(1) / s[b])).astype(np.float32), quant_type)
+        np.testing.assert_array_equal(got[b * 32 : (b + 1) * 32], (codes[0::2] << 4) | codes[1::2])
+
+
+def test_search_scales_refuses_bad_input():
+    with pytest.raises(ValueError, match="blocksize must be a power of two"):
+        search_scales_4bit(np.zeros((2, 48), np.float32), "nf4")
+    with pytest.raises(ValueError, match="2-D"):
+        search_scales_4bit(np.zeros(64, np.float32), "nf4")
+    with pytest.raises(ValueError, match="nf5"):
+        search_scales_4bit(np.zeros((1, 64), np.float32), "nf5")
+    assert search_scales_4bit(np.zeros((0, 64), np.float32), "nf4").shape == (0,)
+    with pytest.raises(ValueError, match=r"got \(2, 64\) and \(3,\)"):
+        encode_4bit(np.zeros((2, 64), np.float32), np.ones(3, np.float32), "nf4")
 
 
 def test_mse_partial_block_and_odd_sizes_follow_the_kernel(rng):

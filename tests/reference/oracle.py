@@ -107,6 +107,43 @@ def quantize_4bit(x: np.ndarray, blocksize: int, quant_type: str):
     return packed.astype(np.uint8), np.array(absmax, F32)
 
 
+MSE_FRACTIONS = np.array([(32 - j) / 32 for j in range(16)], F32)
+
+
+def mse_errors(blk: np.ndarray, quant_type: str) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate scales [16], their errors [16]) of one full block as the
+    'mse' search defines them: d_i = x_i - fp32(value * s) with the value of
+    the nearest code of fp32(x_i * fp32(1 / floor(s))); per lane l = i mod 8 a
+    sequential fp32 sum of fp32(d_i^2); lanes combined ((0+1)+(2+3))+((4+5)+(6+7))."""
+    blk = np.asarray(blk, F32)
+    amax = _absmax(blk)
+    scales = (amax * MSE_FRACTIONS).astype(F32)
+    errs = np.empty(16, F32)
+    with np.errstate(over="ignore"):
+        for j, s in enumerate(scales):
+            errs[j] = _mse_error(blk, s, quant_type)
+    return scales, errs
+
+
+def _mse_error(blk: np.ndarray, s: F32, quant_type: str) -> F32:
+    inv = F32(1.0) / _floor(s)
+    v = (blk * inv).astype(F32)
+    d = (blk - (TABLES[quant_type][encode4(v, quant_type)] * s).astype(F32)).astype(F32)
+    d2 = (d * d).astype(F32)
+    lane = [np.cumsum(d2[k::8], dtype=F32)[-1] for k in range(8)]
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]))
+
+
+def mse_scale(blk: np.ndarray, quant_type: str) -> F32:
+    """The 'mse' scale of a full block: the candidate of smallest error (ties:
+    the first, the larger scale); a block whose absmax is 0, NaN or inf keeps it."""
+    amax = _absmax(np.asarray(blk, F32))
+    if not (amax > 0) or not np.isfinite(amax):
+        return amax
+    scales, errs = mse_errors(blk, quant_type)
+    return scales[int(np.argmin(errs))]
+
+
 def unpack(packed: np.ndarray, n: int) -> np.ndarray:
     p = np.asarray(packed, np.uint8).reshape(-1)
     codes = np.empty(p.size * 2, np.uint8)

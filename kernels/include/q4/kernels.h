@@ -207,6 +207,16 @@ Status int8_quantize_rows(const Int8QuantizeRowsParams& p);
 Status int8_linear(const Int8LinearParams& p);
 Status int8_grad_input(const Int8GradInputParams& p);
 Status quantize_4bit(const Quantize4bitParams& p);
+// The 'mse' scale of each of n_blocks full fp32 blocks of x (contiguous):
+// the candidate fp32(absmax * (32 - j) / 32), j = 0..15, with the smallest
+// squared error of its nearest-code encoding, summed in a fixed order
+// (cpu/quant4.cc); ties keep the larger scale; a block whose absmax is 0,
+// NaN or inf keeps it. The scalar and AVX2 paths give the same bits.
+Status search_scales_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, float* scales);
+// The nibbles of n_blocks full fp32 blocks with given scales: encode(x *
+// fp32(1 / floor(scales[b]))), packed as quantize_4bit packs them.
+Status encode_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, const float* scales,
+                   uint8_t* packed);
 Status dequantize_4bit(const Dequantize4bitParams& p);
 Status quantize_blockwise(const QuantizeBlockwiseParams& p);
 Status dequantize_blockwise(const DequantizeBlockwiseParams& p);
