@@ -58,6 +58,7 @@ def main(argv=None) -> int:
     dense = torch_model.load(dense_t)
     ref = torch_model.embed(dense, common.SENTENCES)
     cal = calibration_batches(args.calibration)
+    q4torch.replace_linear(torch_model.load(dense_t), "nf4")  # warm-up (library and thread start-up not timed)
     print(
         f"all-MiniLM-L6-v2, NF4 nested, {len(common.SENTENCES)} evaluation sentences, "
         f"{len(cal)} calibration sentences (disjoint); torch threads {torch.get_num_threads()}"
