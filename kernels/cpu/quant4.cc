@@ -343,14 +343,16 @@ Status dequantize_4bit(const Dequantize4bitParams& p) {
 
 namespace {
 Status check_block_args(const float* x, int64_t n_blocks, int64_t blocksize, int32_t quant_type, const void* out) {
-  if (n_blocks < 0) return Status::Invalid("n_blocks must be >= 0, got " + std::to_string(n_blocks));
+  if (n_blocks < 1) return Status::Invalid("n_blocks must be >= 1, got " + std::to_string(n_blocks));
   if (blocksize < kMinBlocksize || blocksize > kMaxBlocksize || (blocksize & (blocksize - 1)) != 0)
     return Status::Invalid("blocksize must be a power of two in [" + std::to_string(kMinBlocksize) + ", " +
                            std::to_string(kMaxBlocksize) + "], got " + std::to_string(blocksize));
   if (quant_type != kNF4 && quant_type != kFP4)
     return Status::Invalid("quant_type must be 0 (nf4) or 1 (fp4), got " + std::to_string(quant_type));
-  if (n_blocks > 0 && (x == nullptr || out == nullptr)) return Status::Invalid("x and the output must not be null");
-  if (n_blocks > (int64_t(1) << 62) / blocksize) return Status::Invalid("n_blocks * blocksize overflows");
+  if (checked_count(n_blocks, blocksize) < 0)
+    return Status::Invalid("n_blocks * blocksize (" + std::to_string(n_blocks) + " * " + std::to_string(blocksize) +
+                           ") overflows or exceeds the largest supported count");
+  if (x == nullptr || out == nullptr) return Status::Invalid("x and the output must not be null");
   return Status::Ok();
 }
 }  // namespace
@@ -359,7 +361,7 @@ Status encode_4bit(const float* x, int64_t n_blocks, int64_t blocksize, int32_t 
                    uint8_t* packed) {
   Status st = check_block_args(x, n_blocks, blocksize, quant_type, packed);
   if (!st.ok()) return st;
-  if (n_blocks > 0 && scales == nullptr) return Status::Invalid("scales must not be null");
+  if (scales == nullptr) return Status::Invalid("scales must not be null");
   const bool simd = cpu_isa() >= kIsaAvx2;
   const int64_t grain = std::max<int64_t>(1, kGrainElements / blocksize);
   Q4_QUANT_SWITCH(quant_type, QT, [&] {

@@ -6,8 +6,6 @@ every size is explicit and checked by the library before memory is touched.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from q4._src import formats, native
@@ -143,6 +141,8 @@ def search_scales_4bit(blocks: np.ndarray, quant_type: str = "nf4") -> np.ndarra
         raise ValueError(f"blocks must be 2-D [n_blocks, blocksize], got shape {x.shape}")
     bs, qt = formats.check_blocksize(x.shape[1]), formats.check_quant_type(quant_type)
     out = np.empty(x.shape[0], np.float32)
+    if not x.shape[0]:
+        return out
     fp = ctypes.POINTER(ctypes.c_float)
     native.check(native.lib().q4_search_scales_4bit(x.ctypes.data_as(fp), x.shape[0], bs, qt, out.ctypes.data_as(fp)))
     return out
@@ -157,10 +157,9 @@ def encode_4bit(blocks: np.ndarray, scales: np.ndarray, quant_type: str = "nf4")
         raise ValueError(f"blocks [n_blocks, blocksize] and scales [n_blocks], got {x.shape} and {s.shape}")
     bs, qt = formats.check_blocksize(x.shape[1]), formats.check_quant_type(quant_type)
     out = np.empty(x.size // 2, np.uint8)
-    fp = ctypes.POINTER(ctypes.c_float)
-    native.check(
-        native.lib().q4_encode_4bit(x.ctypes.data_as(fp), x.shape[0], bs, qt, s.ctypes.data_as(fp), out.ctypes.data)
-    )
+    if not x.shape[0]:
+        return out
+    native.check(native.lib().q4_encode_4bit(x.ctypes.data, x.shape[0], bs, qt, s.ctypes.data, out.ctypes.data))
     return out
 
 

@@ -166,6 +166,24 @@ def _case_nested(inp: Input, lib, buf: _Buffers):
     return rc, valid, {"codes": _alloc_size(nb, valid), "absmax2": _alloc_size(a2, valid) * 4, "offset": 4}
 
 
+def _case_blocks4(inp: Input, lib, buf: _Buffers, encode: bool):
+    """q4_search_scales_4bit / q4_encode_4bit: n_blocks full fp32 blocks."""
+    nb, bs, qt = inp.count(), inp.count() if inp.byte() & 1 else 64, inp.code(2)
+    valid = _count_ok(nb) and _pow2_block(bs) and qt in (0, 1) and nb * bs <= MAX_ELEMENTS
+    if valid and nb * bs > ALLOC_LIMIT:
+        return None
+    n = nb * bs if valid else 16
+    x = buf.make("x", n * 4)
+    if encode:
+        sc = buf.make("scales", (nb if valid else 16) * 4)
+        pk = buf.make("packed", n // 2, output=True)
+        rc = lib.q4_encode_4bit(x, nb, bs, qt, sc, pk)
+        return rc, valid, {"packed": n // 2}
+    out = buf.make("scales", (nb if valid else 16) * 4, output=True)
+    rc = lib.q4_search_scales_4bit(x, nb, bs, qt, out)
+    return rc, valid, {"scales": (nb if valid else 16) * 4}
+
+
 def _dims(inp: Input) -> tuple[int, int, int]:
     return inp.count(), inp.count(), inp.count()
 
@@ -253,6 +271,8 @@ CASES = (
     ("int8_quantize_rows", lambda i, lib, b: _case_int8(i, lib, b, 0)),
     ("int8_linear", lambda i, lib, b: _case_int8(i, lib, b, 1)),
     ("int8_grad_input", lambda i, lib, b: _case_int8(i, lib, b, 2)),
+    ("search_scales_4bit", lambda i, lib, b: _case_blocks4(i, lib, b, False)),
+    ("encode_4bit", lambda i, lib, b: _case_blocks4(i, lib, b, True)),
 )
 
 
@@ -286,7 +306,16 @@ def main() -> None:
     atheris.instrument_func(check)
     for _, case in CASES:
         atheris.instrument_func(case)
-    for fn in (_case_quant4, _case_blockwise, _case_nested, _case_gemm4, _case_int8, Input.count, Input.code):
+    for fn in (
+        _case_quant4,
+        _case_blockwise,
+        _case_nested,
+        _case_gemm4,
+        _case_int8,
+        _case_blocks4,
+        Input.count,
+        Input.code,
+    ):
         atheris.instrument_func(fn)
     atheris.Setup(sys.argv, lambda data: check(bytes(data)))
     atheris.Fuzz()
