@@ -143,8 +143,7 @@ def search_scales_4bit(blocks: np.ndarray, quant_type: str = "nf4") -> np.ndarra
     out = np.empty(x.shape[0], np.float32)
     if not x.shape[0]:
         return out
-    fp = ctypes.POINTER(ctypes.c_float)
-    native.check(native.lib().q4_search_scales_4bit(x.ctypes.data_as(fp), x.shape[0], bs, qt, out.ctypes.data_as(fp)))
+    native.check(native.lib().q4_search_scales_4bit(x.ctypes.data, x.shape[0], bs, qt, out.ctypes.data))
     return out
 
 
