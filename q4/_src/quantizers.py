@@ -45,6 +45,16 @@ def check_method(method) -> str:
     return method
 
 
+def check_method_options(method, quant_type: str, calibration) -> None:
+    """What replace_linear / quantize_model accept: a known method, for the
+    4-bit types, with calibration exactly when it is 'gptq'."""
+    check_method(method)
+    if method != "absmax" and quant_type == "int8":
+        raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
+    if (method == "gptq") != (calibration is not None):
+        raise ValueError("method='gptq' needs calibration=<batches of model inputs>, and only it takes calibration")
+
+
 @functools.cache
 def _book(quant_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(midpoints of the sorted values [15], nibble of each rank [16], value of

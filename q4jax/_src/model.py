@@ -106,11 +106,7 @@ def quantize_model(
     """
     check_graph_root(module, "quantize_model")
     formats.check_layer_options(quant_type, blocksize, activation_quant)
-    quantizers.check_method(method)
-    if method != "absmax" and quant_type == "int8":
-        raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
-    if (method == "gptq") != (calibration is not None):
-        raise ValueError("method='gptq' needs calibration=<batches of model inputs>, and only it takes calibration")
+    quantizers.check_method_options(method, quant_type, calibration)
     if isinstance(module, nnx.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
     if isinstance(skip, str):

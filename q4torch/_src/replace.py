@@ -139,11 +139,7 @@ def replace_linear(
     from q4torch._src.embedding import quantized_embedding
 
     formats.check_layer_options(quant_type, blocksize, activation_quant)
-    quantizers.check_method(method)
-    if method != "absmax" and quant_type == "int8":
-        raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
-    if (method == "gptq") != (calibration is not None):
-        raise ValueError("method='gptq' needs calibration=<batches of model inputs>, and only it takes calibration")
+    quantizers.check_method_options(method, quant_type, calibration)
     if isinstance(skip, str):
         skip = (skip,)
     hessians = _calibrate(model, skip, calibration, blocksize) if method == "gptq" else {}

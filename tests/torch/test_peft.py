@@ -88,6 +88,18 @@ def test_adapters_train_and_only_adapters_do(kind, dora):
         assert torch.equal(after[n], b), n
 
 
+def merged_weight(layer, dora: bool, dtype) -> torch.Tensor:
+    """The adapted layer's effective weight from the definitions: W + s B A
+    (LoRA), or m / ||W + s B A||_rows * (W + s B A) (DoRA), W dequantized."""
+    w = dequantized_weight(layer.get_base_layer()).to(dtype)
+    a, b = layer.lora_A["default"].weight.detach().to(dtype), layer.lora_B["default"].weight.detach().to(dtype)
+    delta = layer.scaling["default"] * (b @ a)
+    if not dora:
+        return w + delta
+    m = layer.lora_magnitude_vector["default"].weight.detach().to(dtype)
+    return (m / torch.linalg.norm(w + delta, dim=1)).view(-1, 1) * (w + delta)
+
+
 def reference_forward(model, x, dora: bool) -> torch.Tensor:
     """The peft model's output in fp64 from the dequantized base weights and the
     adapters, written from the LoRA / DoRA definitions."""
@@ -95,16 +107,7 @@ def reference_forward(model, x, dora: bool) -> torch.Tensor:
     h = x.double()
     for name in ("up", "down"):
         layer = getattr(base, name)
-        w = dequantized_weight(layer.get_base_layer()).double()
-        a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
-        s = layer.scaling["default"]
-        delta = s * (b @ a)
-        if dora:
-            m = layer.lora_magnitude_vector["default"].weight.double()
-            w_eff = (m / torch.linalg.norm(w + delta, dim=1)).view(-1, 1) * (w + delta)
-        else:
-            w_eff = w + delta
-        h = torch.relu(h @ w_eff.T + layer.get_base_layer().bias.double())
+        h = torch.relu(h @ merged_weight(layer, dora, torch.float64).T + layer.get_base_layer().bias.double())
     return h @ base.head.weight.double().T + base.head.bias.double()
 
 
@@ -129,13 +132,7 @@ def test_merge_requantizes_the_merged_weight(kind, dora):
     randomise_adapters(model)
     x, _ = data(16)
     layer = model.get_base_model().up
-    w = dequantized_weight(layer.get_base_layer())
-    delta = layer.get_delta_weight("default").float()
-    if dora:
-        m = layer.lora_magnitude_vector["default"].weight.float()
-        merged_w = (m / torch.linalg.norm(w + delta, dim=1)).view(-1, 1) * (w + delta)
-    else:
-        merged_w = w + delta
+    merged_w = merged_weight(layer, dora, torch.float32)
     old = layer.get_base_layer().weight
     old_bytes = old.data.clone()
     merged = model.merge_and_unload()
