@@ -143,6 +143,7 @@ def cmd_quantize(args) -> int:
         embeddings=args.embeddings,
         method=args.method,
         hessians=_calibration_hessians(args) if args.method == "gptq" and args.calibration else None,
+        gptq_damp=args.damp,
     )
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
     if not res.layers:
@@ -345,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration",
         metavar="FILE",
         help="gptq: calibration texts, one per line (tokenized with the folder's tokenizer)",
+    )
+    q.add_argument(
+        "--damp",
+        type=float,
+        default=0.01,
+        metavar="F",
+        help="gptq: damping added to each Hessian's diagonal, a fraction of its mean (default 0.01)",
     )
     q.add_argument(
         "--skip",

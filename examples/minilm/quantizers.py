@@ -1,7 +1,8 @@
 """all-MiniLM-L6-v2 with q4's error-minimising 4-bit quantizers, same bytes
 format: per block size, the plain quantizer (absmax, bitsandbytes'), 'mse'
 (per-block scale search) and 'gptq' (128 calibration sentences from Python's
-docs, disjoint from the evaluation sentences). NF4, nested absmax.
+docs, disjoint from the evaluation sentences; damping 0.01, GPTQ's, and
+--damp). NF4, nested absmax.
 
 Prints the mean cosine of the embeddings to the fp32 model's on
 common.SENTENCES, the mean relative weight error ||W - Q(W)|| / ||W|| over the
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocksizes", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--calibration", type=int, default=128, help="calibration sentences (default 128)")
+    p.add_argument("--damp", type=float, default=0.3, help="the second gptq row's damping (default 0.3)")
     args = p.parse_args(argv)
     dense_t = common.load_tensors()
     dense = torch_model.load(dense_t)
@@ -64,15 +66,16 @@ def main(argv=None) -> int:
         f"{len(cal)} calibration sentences (disjoint); torch threads {torch.get_num_threads()}"
     )
     print(
-        f"{'block':>5}  {'method':>6}  {'cosine':>7}  {'1-cos':>7}  {'weight err':>10}  {'time s':>7}  {'bnb vs q4':>9}"
+        f"{'block':>5}  {'method':>9}  {'cosine':>7}  {'1-cos':>7}  {'weight err':>10}  {'time s':>7}  {'bnb vs q4':>9}"
     )
     for bs in args.blocksizes:
-        for method in ("absmax", "mse", "gptq"):
+        for method, damp in (("absmax", 0.01), ("mse", 0.01), ("gptq", 0.01), ("gptq", args.damp)):
             model = torch_model.load(dense_t)
             t0 = time.perf_counter()
             q4torch.replace_linear(
                 model, "nf4", blocksize=bs, method=method, calibration=cal if method == "gptq" else None,
                 skip=("pooler.*",),  # unused by sentence embeddings (and never reached by calibration)
+                gptq_damp=damp,
             )  # fmt: skip
             dt = time.perf_counter() - t0
             emb = torch_model.embed(model, common.SENTENCES)
@@ -81,8 +84,9 @@ def main(argv=None) -> int:
             bnb_emb = torch_model.embed(torch_model.load_into_bitsandbytes(dense, sd), common.SENTENCES)
             agree = common.cosine(bnb_emb, emb).min()
             werr = weight_error(model, dense_t)
+            label = method if method != "gptq" else f"gptq {damp:g}"
             print(
-                f"{bs:>5}  {method:>6}  {cos:>7.5f}  {1 - cos:>7.5f}  {werr:>10.4f}  {dt:>7.2f}  {agree:>9.6f}",
+                f"{bs:>5}  {label:>9}  {cos:>7.5f}  {1 - cos:>7.5f}  {werr:>10.4f}  {dt:>7.2f}  {agree:>9.6f}",
                 flush=True,
             )
     return 0

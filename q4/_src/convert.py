@@ -79,6 +79,7 @@ class Options:
     method: str = "absmax"  # 4-bit: 'absmax' (bitsandbytes'), 'mse' or 'gptq' (q4/_src/quantizers.py)
     # gptq: each layer's Hessian by name (the key without '.weight'); layers without one use 'mse'
     hessians: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    gptq_damp: float = 0.01  # gptq: damping, a fraction of each Hessian's mean diagonal
 
     def check(self) -> Options:
         formats.check_layer_type(self.quant_type, "--type")
@@ -86,6 +87,8 @@ class Options:
             formats.check_blocksize(self.blocksize)
         if self.method not in ("absmax", "mse", "gptq"):
             raise ValueError(f"--method must be absmax, mse or gptq, got {self.method!r}")
+        if not self.gptq_damp > 0:
+            raise ValueError(f"--damp must be > 0, got {self.gptq_damp}")
         if (self.method == "gptq") != (self.hessians is not None):
             raise ValueError(
                 "--method gptq needs --calibration FILE (one text per line) and a model folder that transformers "
@@ -294,7 +297,7 @@ def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndar
         hessian = None if opts.hessians is None else opts.hessians.get(prefix[:-1])
         if hessian is not None:
             packed, state = quantizers.gptq(w.astype(np.float32), hessian, opts.blocksize, opts.quant_type, opts.nested,
-                                            dtype=w.dtype.name)  # fmt: skip
+                                            damp=opts.gptq_damp, dtype=w.dtype.name)  # fmt: skip
         else:  # gptq: a layer the calibration did not reach (or off the block) gets the mse scales
             method = "mse" if opts.method == "gptq" else opts.method
             packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested, method)

@@ -45,10 +45,13 @@ def check_method(method) -> str:
     return method
 
 
-def check_method_options(method, quant_type: str, calibration) -> None:
+def check_method_options(method, quant_type: str, calibration, damp: float = 0.01) -> None:
     """What replace_linear / quantize_model accept: a known method, for the
-    4-bit types, with calibration exactly when it is 'gptq'."""
+    4-bit types, with calibration exactly when it is 'gptq', and a positive
+    GPTQ damping."""
     check_method(method)
+    if not (isinstance(damp, (int, float)) and damp > 0):
+        raise ValueError(f"gptq_damp must be > 0, got {formats.short_repr(damp)}")
     if method != "absmax" and quant_type == "int8":
         raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
     if (method == "gptq") != (calibration is not None):

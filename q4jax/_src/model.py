@@ -79,6 +79,7 @@ def quantize_model(
     embeddings: bool = False,
     method: str = "absmax",
     calibration=None,
+    gptq_damp: float = 0.01,
 ) -> nnx.Module:
     """Replace every nnx.Linear below ``module`` in place with a Linear4bit
     (quant_type "nf4" / "fp4") or a Linear8bit ("int8"), and return ``module``.
@@ -102,11 +103,11 @@ def quantize_model(
     ``calibration``, an iterable of model inputs (an array, a tuple of
     positional arguments, or a dict of keyword arguments whose
     'attention_mask', if any, leaves padding tokens out), run eagerly once
-    through the float model.
+    through the float model; ``gptq_damp`` as there.
     """
     check_graph_root(module, "quantize_model")
     formats.check_layer_options(quant_type, blocksize, activation_quant)
-    quantizers.check_method_options(method, quant_type, calibration)
+    quantizers.check_method_options(method, quant_type, calibration, gptq_damp)
     if isinstance(module, nnx.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; use Linear4bit.from_linear on a Linear")
     if isinstance(skip, str):
@@ -147,7 +148,7 @@ def quantize_model(
                     activation_quant=activation_quant,
                 )
                 if method != "absmax":
-                    new.set_quantized(*_error_minimised(child, method, hessians.get(id(child)), new))
+                    new.set_quantized(*_error_minimised(child, method, hessians.get(id(child)), new, gptq_damp))
                     logger.info("q4jax.quantize_model(method=%r): %s", method, name)
             if type(child) is nnx.LoRALinear:  # quantize the base, keep the adapters
                 from q4jax._src.lora import lora_from_lora_linear
@@ -167,7 +168,7 @@ def quantize_model(
     return module
 
 
-def _error_minimised(linear, method: str, hessian, layer: Linear4bit):
+def _error_minimised(linear, method: str, hessian, layer: Linear4bit, damp: float = 0.01):
     """(packed, state) of a Linear's W = kernel.T by the 'mse' or 'gptq'
     quantizer with ``layer``'s settings."""
     kernel = linear.kernel.get_value()
@@ -175,7 +176,9 @@ def _error_minimised(linear, method: str, hessian, layer: Linear4bit):
     dtype = np.dtype(kernel.dtype).name
     if method == "mse":
         return quantizers.quantize_mse(w, layer.blocksize, layer.quant_type, layer.compress_statistics, dtype)
-    return quantizers.gptq(w, hessian, layer.blocksize, layer.quant_type, layer.compress_statistics, dtype=dtype)
+    return quantizers.gptq(
+        w, hessian, layer.blocksize, layer.quant_type, layer.compress_statistics, damp=damp, dtype=dtype
+    )
 
 
 class _Recorder(nnx.Module):

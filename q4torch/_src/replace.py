@@ -35,6 +35,7 @@ def _quantized(
     activation_quant=None,
     method: str = "absmax",
     hessian: np.ndarray | None = None,
+    damp: float = 0.01,
 ) -> nn.Module:
     from q4torch.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
 
@@ -73,7 +74,7 @@ def _quantized(
             )
         else:
             new.weight = error_minimised_weight(
-                weight, new4, blocksize, quant_type, compress_statistics, method, hessian
+                weight, new4, blocksize, quant_type, compress_statistics, method, hessian, damp
             )
     if linear.bias is not None:
         new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
@@ -81,7 +82,7 @@ def _quantized(
 
 
 def error_minimised_weight(
-    weight: torch.Tensor, layer, blocksize: int, quant_type: str, nested: bool, method: str, hessian=None
+    weight: torch.Tensor, layer, blocksize: int, quant_type: str, nested: bool, method: str, hessian=None, damp=0.01
 ) -> nn.Parameter:
     """A Params4bit for ``layer`` from a float weight by q4's 'mse' or 'gptq'
     quantizer (q4/_src/quantizers.py; the bitsandbytes format), on the CPU."""
@@ -94,7 +95,7 @@ def error_minimised_weight(
     else:
         if hessian is None:
             raise ValueError("method='gptq' needs the layer's Hessian")
-        packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, nested, dtype=dtype)
+        packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, nested, damp=damp, dtype=dtype)
     stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
     return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device="cpu", module=layer)
 
@@ -112,6 +113,7 @@ def replace_linear(
     embeddings: bool = False,
     method: str = "absmax",
     calibration=None,
+    gptq_damp: float = 0.01,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` in place by a quantized layer
     (``Linear4bit`` for 'nf4'/'fp4', ``Linear8bitLt`` for 'int8'), keeping its
@@ -135,11 +137,14 @@ def replace_linear(
     an iterable of model inputs: a tensor, a tuple of positional arguments,
     or a dict of keyword arguments, whose 'attention_mask', if any, leaves
     padding tokens out). One calibration pass runs the float model first.
+    ``gptq_damp``: the damping added to each Hessian's diagonal, as a
+    fraction of its mean (GPTQ's 0.01 by default; with little calibration
+    data a larger value can do better, README "Better 4-bit at the same bytes").
     """
     from q4torch._src.embedding import quantized_embedding
 
     formats.check_layer_options(quant_type, blocksize, activation_quant)
-    quantizers.check_method_options(method, quant_type, calibration)
+    quantizers.check_method_options(method, quant_type, calibration, gptq_damp)
     if isinstance(skip, str):
         skip = (skip,)
     hessians = _calibrate(model, skip, calibration, blocksize) if method == "gptq" else {}
@@ -176,6 +181,7 @@ def replace_linear(
                     activation_quant,
                     method,
                     hessians.get(id(child)),
+                    gptq_damp,
                 )
                 replaced[id(child)] = new
                 if method != "absmax":

@@ -100,3 +100,5 @@ def test_gptq_requests_it_cannot_run_are_refused(float_file, tmp_path, capsys):
     assert "needs a model folder with config.json" in capsys.readouterr().err
     assert main(["quantize", str(path), str(tmp_path / "o.safetensors"), "--calibration", str(calib)]) == 1
     assert "--calibration applies to --method gptq, not to --method absmax" in capsys.readouterr().err
+    assert main(["quantize", str(path), str(tmp_path / "o.safetensors"), "--method", "mse", "--damp", "-1"]) == 1
+    assert "--damp must be > 0, got -1.0" in capsys.readouterr().err

@@ -96,6 +96,23 @@ def test_both_front_ends_give_the_same_bytes(method, quant_type):
     assert t["weight.absmax"].tobytes() == st.absmax.tobytes()
 
 
+def test_gptq_damping_reaches_both_front_ends():
+    w, calib = weights()
+    tm = q4torch.replace_linear(
+        TorchNet(w), "nf4", method="gptq", calibration=[torch.from_numpy(x) for x in calib], gptq_damp=0.3
+    )
+    jm = q4jax.quantize_model(
+        JaxNet(w), "nf4", method="gptq", calibration=[jnp.asarray(x) for x in calib], gptq_damp=0.3
+    )
+    x = np.concatenate([c.reshape(-1, D) for c in calib]).astype(np.float64)
+    packed, st = Q.gptq(w["a"], x.T @ x, 64, "nf4", True, damp=0.3)
+    default, _ = Q.gptq(w["a"], x.T @ x, 64, "nf4", True)
+    assert packed.tobytes() != default.tobytes()
+    assert torch_bytes(tm, "a")["weight"].tobytes() == packed.tobytes() == jax_bytes(jm, "a")["weight"].tobytes()
+    with pytest.raises(ValueError, match="gptq_damp must be > 0, got 0"):
+        q4torch.replace_linear(TorchNet(w), "nf4", method="gptq", calibration=[], gptq_damp=0)
+
+
 def test_gptq_lowers_the_output_error_on_the_calibration_set():
     w, calib = weights()
     x = np.concatenate([c.reshape(-1, D) for c in calib]).astype(np.float64)
