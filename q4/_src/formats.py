@@ -110,6 +110,14 @@ def check_layer_type(quant_type: str, what: str = "quant_type") -> str:
     return quant_type
 
 
+def check_threshold(threshold) -> float:
+    """LLM.int8's outlier threshold: >= 0 (0 disables outliers); NaN and
+    negatives raise ValueError naming the value. Returns it as a float."""
+    if not threshold >= 0:
+        raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+    return float(threshold)
+
+
 def check_layer_options(quant_type: str, blocksize: int, activation_quant) -> None:
     """The options every whole-model quantizer takes (replace_linear,
     quantize_model, Q4Config): a layer type, a 4-bit block size, and

@@ -430,8 +430,7 @@ class Linear8bit(_QuantLinear):
         threshold: float = 0.0,
         rngs: nnx.Rngs,
     ):
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        formats.check_threshold(threshold)
         self.threshold = float(threshold)
         kernel = self._init_common(
             in_features, out_features, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs

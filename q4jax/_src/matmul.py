@@ -132,8 +132,7 @@ def _check_8bit(x, weight, scale, bias, threshold):
     ffi.dtype_name(x.dtype)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-    if not threshold >= 0:
-        raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+    formats.check_threshold(threshold)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

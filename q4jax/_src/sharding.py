@@ -690,8 +690,7 @@ def sharded_matmul_8bit(
     ffi.dtype_name(x.dtype)
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must have shape ({n},), got {bias.shape}")
-    if not threshold >= 0:
-        raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+    formats.check_threshold(threshold)
     _check_batch(sharding, x)
     w_spec, s_spec = _specs_8bit(sharding)
     _check_placed("weight", weight, sharding.named(w_spec))

@@ -144,8 +144,7 @@ class Q4Config(QuantizationConfigMixin):
     ):
         self.quant_method = METHOD  # type: ignore[assignment]  # transformers' enum has no member for it
         formats.check_layer_options(quant_type, blocksize, activation_quant)
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        formats.check_threshold(threshold)
         if method not in ("absmax", "mse") or (method == "mse" and quant_type == "int8"):
             raise ValueError(
                 f"Q4Config method must be 'absmax' or 'mse' (4-bit), got {method!r} with quant_type {quant_type!r} "

@@ -41,7 +41,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from q4._src import weights
+from q4._src import formats, weights
 from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4torch import functional as F
 
@@ -280,8 +280,7 @@ class Linear8bitLt(nn.Linear):
         device=None,
     ):
         super().__init__(input_features, output_features, bias, device)
-        if not threshold >= 0:
-            raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
+        formats.check_threshold(threshold)
         self.threshold = float(threshold)
         self.index = index
         self.weight = Int8Params(self.weight.data, requires_grad=has_fp16_weights, has_fp16_weights=has_fp16_weights)

@@ -461,12 +461,6 @@ def _int8_weight(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
     return n, k
 
 
-def _threshold(threshold: float) -> float:
-    if not threshold >= 0:
-        raise ValueError(f"threshold must be >= 0 (0 disables outliers), got {threshold}")
-    return float(threshold)
-
-
 @torch.library.custom_op("q4::int8_quantize_rows", mutates_args=(), device_types=("cpu", "cuda"))
 def int8_quantize_rows(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LLM.int8 row-wise quantization of a 2-D x: (int8 like x, row_stats f32, outlier-column mask bool)."""
@@ -482,7 +476,7 @@ def int8_quantize_rows(x: torch.Tensor, threshold: float) -> tuple[torch.Tensor,
         code,
         x.shape[0],
         x.shape[1],
-        _threshold(threshold),
+        formats.check_threshold(threshold),
         q.data_ptr(),
         stats.data_ptr(),
         cols.data_ptr(),
@@ -524,7 +518,7 @@ def int8_linear(
         k,
         weight.data_ptr(),
         weight_scale.data_ptr(),
-        _threshold(threshold),
+        formats.check_threshold(threshold),
         b,
         bcode,
         out.data_ptr(),
