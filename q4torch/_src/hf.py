@@ -39,6 +39,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 import q4
 from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX
+from q4torch._src.replace import quantized_weight
 
 METHOD = "q4"
 _BNB_METHODS = ("bitsandbytes_4bit", "bitsandbytes_8bit")
@@ -200,28 +201,6 @@ def _layer_kind():
     return Linear4bit, Linear8bitLt
 
 
-def quantized_weight(
-    layer: nn.Module, weight: torch.Tensor, blocksize: int, compress_statistics: bool, quant_type: str, quant_storage
-) -> nn.Parameter:
-    """A new quantized weight Parameter for the q4 ``layer`` from a float
-    ``weight`` [out, in], on the weight's device: an ``Int8Params`` for a
-    Linear8bitLt, else a ``Params4bit`` with the given 4-bit settings (the
-    layer's quant_state then follows it). Nothing existing is written."""
-    from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
-
-    if isinstance(layer, Linear8bitLt):
-        return Int8Params(weight.detach().cpu(), requires_grad=False, has_fp16_weights=False).to(weight.device)
-    return Params4bit(
-        weight.detach(),
-        requires_grad=False,
-        blocksize=blocksize,
-        compress_statistics=compress_statistics,
-        quant_type=quant_type,
-        quant_storage=quant_storage,
-        module=layer,  # type: ignore[arg-type]
-    ).quantize()
-
-
 class Q4Quantize(ConversionOps):
     """A float weight, as read from its shard, quantized into its q4 layer."""
 
@@ -241,16 +220,9 @@ class Q4Quantize(ConversionOps):
                     f"{name}: the checkpoint's weight has shape {tuple(value.shape)}, the layer expects "
                     f"{(module.out_features, module.in_features)}"
                 )
-            if s.method == "mse" and not isinstance(module, _layer_kind()[1]):
-                from q4torch._src.replace import error_minimised_weight
-
-                result[name] = error_minimised_weight(
-                    value, module, s.blocksize, s.quant_type, s.compress_statistics, "mse"
-                ).to(value.device)
-            else:
-                result[name] = quantized_weight(
-                    module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage
-                )
+            result[name] = quantized_weight(
+                module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage, method=s.method
+            )
             module._is_hf_initialized = True
         return result
 

@@ -32,9 +32,10 @@ from peft.utils.other import transpose
 from torch import nn
 from torch.nn import functional as torch_F
 
-from q4torch._src.hf import dequantized_weight, quantized_weight
+from q4torch._src.hf import dequantized_weight
 from q4torch._src.linear4bit import Linear4bit
 from q4torch._src.linear8bit import Linear8bitLt
+from q4torch._src.replace import quantized_weight
 
 _PLAIN_INITS = (True, False, "gaussian")
 
@@ -57,7 +58,7 @@ def requantize(layer: Any, weight: torch.Tensor) -> None:
     old: Any = layer.weight
     w = weight.to(old.device)
     if isinstance(layer, Linear8bitLt):
-        layer.weight = quantized_weight(layer, w, 0, False, "int8", None)
+        layer.weight = quantized_weight(layer, w, 0, False, "int8")
     else:
         layer.weight = quantized_weight(
             layer, w, old.blocksize, old.compress_statistics, old.quant_type, old.quant_storage

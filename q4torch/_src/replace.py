@@ -37,7 +37,7 @@ def _quantized(
     hessian: np.ndarray | None = None,
     damp: float = 0.01,
 ) -> nn.Module:
-    from q4torch.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
+    from q4torch.nn import Linear4bit, Linear8bitLt
 
     device = linear.weight.device
     weight = linear.weight.detach()
@@ -51,9 +51,8 @@ def _quantized(
             threshold=threshold,
             device="meta",
         )
-        new.weight = Int8Params(weight.clone(), requires_grad=False, has_fp16_weights=False)
     else:
-        new = new4 = Linear4bit(
+        new = Linear4bit(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
@@ -62,42 +61,63 @@ def _quantized(
             quant_type=quant_type,
             device="meta",
         )
-        new4.activation_quant = activation_quant
-        if method == "absmax":
-            new.weight = Params4bit(
-                weight.clone(),
-                requires_grad=False,
-                blocksize=blocksize,
-                compress_statistics=compress_statistics,
-                quant_type=quant_type,
-                module=new4,
-            )
-        else:
-            new.weight = error_minimised_weight(
-                weight, new4, blocksize, quant_type, compress_statistics, method, hessian, damp
-            )
+        new.activation_quant = activation_quant
+    new.weight = quantized_weight(
+        new, weight, blocksize, compress_statistics, quant_type, method=method, hessian=hessian, damp=damp
+    )
     if linear.bias is not None:
         new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
     return new.to(device)
 
 
-def error_minimised_weight(
-    weight: torch.Tensor, layer, blocksize: int, quant_type: str, nested: bool, method: str, hessian=None, damp=0.01
+def quantized_weight(
+    layer: nn.Module,
+    weight: torch.Tensor,
+    blocksize: int,
+    compress_statistics: bool,
+    quant_type: str,
+    quant_storage: torch.dtype = torch.uint8,
+    *,
+    method: str = "absmax",
+    hessian: np.ndarray | None = None,
+    damp: float = 0.01,
 ) -> nn.Parameter:
-    """A Params4bit for ``layer`` from a float weight by q4's 'mse' or 'gptq'
-    quantizer (q4/_src/quantizers.py; the bitsandbytes format), on the CPU."""
-    from q4torch.nn import Params4bit
+    """A new quantized weight Parameter for the q4 ``layer`` from a float
+    ``weight`` [out, in] (nothing existing is written): an ``Int8Params`` for
+    a Linear8bitLt (quantized as it moves to the weight's device); else a ``Params4bit`` with the given 4-bit settings (the
+    layer's quant_state follows it), its scales and codes by ``method``:
+    'absmax' (bitsandbytes') quantizes on the weight's device as the
+    parameters' first move there does (a meta weight stays unquantized);
+    'mse' / 'gptq' (``hessian``, ``damp``) run q4's quantizers on the host
+    (q4/_src/quantizers.py) and place the result on the weight's device.
+    The one place that builds them: replace_linear, transformers' quantize on
+    load and peft's requantize."""
+    from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
 
-    w = weight.detach().float().cpu().numpy()
+    weight = weight.detach()
+    if isinstance(layer, Linear8bitLt):
+        # Int8Params quantizes on a move from the CPU (bitsandbytes' rule)
+        return Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False).to(weight.device)
+    if method == "absmax":
+        return Params4bit(
+            weight,
+            requires_grad=False,
+            blocksize=blocksize,
+            compress_statistics=compress_statistics,
+            quant_type=quant_type,
+            quant_storage=quant_storage,
+            module=layer,  # type: ignore[arg-type]
+        ).to(weight.device)
+    w = weight.float().cpu().numpy()
     dtype = str(weight.dtype).removeprefix("torch.")
     if method == "mse":
-        packed, st = quantizers.quantize_mse(w, blocksize, quant_type, nested, dtype)
+        packed, st = quantizers.quantize_mse(w, blocksize, quant_type, compress_statistics, dtype)
     else:
         if hessian is None:
             raise ValueError("method='gptq' needs the layer's Hessian")
-        packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, nested, damp=damp, dtype=dtype)
+        packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, compress_statistics, damp=damp, dtype=dtype)
     stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
-    return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device="cpu", module=layer)
+    return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device=weight.device, module=layer)  # type: ignore[arg-type]
 
 
 def replace_linear(
