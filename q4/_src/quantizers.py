@@ -100,7 +100,12 @@ def pack(nibbles: np.ndarray) -> np.ndarray:
     return ((flat[0::2] << 4) | flat[1::2]).astype(np.uint8).reshape(-1, 1)
 
 
-def _state(w: np.ndarray, absmax: np.ndarray, blocksize: int, quant_type: str, nested: bool, dtype) -> QuantState:
+def quant_state(
+    w: np.ndarray, absmax: np.ndarray, blocksize: int, quant_type: str, nested: bool, dtype: str | None = None
+) -> QuantState:
+    """The validated QuantState of a 4-bit ``w`` quantized with per-block
+    ``absmax`` (fp32), nested by the kernels when ``nested``; its dtype is
+    ``dtype`` or w's. Every host-side 4-bit quantizer ends here."""
     state = QuantState(quant_type, blocksize, tuple(int(s) for s in w.shape), dtype or w.dtype.name, absmax)
     if nested:
         codes, absmax2, offset = quantize_nested(absmax)
@@ -128,7 +133,7 @@ def quantize_mse(
             full[moved] = nib
             absmax = absmax.copy()
             absmax[:n_full] = np.where(moved, s[:, 0], absmax[:n_full])
-    return packed, _state(w, absmax, blocksize, quant_type, nested, dtype)
+    return packed, quant_state(w, absmax, blocksize, quant_type, nested, dtype)
 
 
 def gptq(
@@ -179,7 +184,7 @@ def gptq(
             err[:, i - g0] = e
             work[:, i + 1 : g1] -= np.outer(e, u[i, i + 1 : g1])
         work[:, g1:] -= err @ u[g0:g1, g1:]
-    return pack(nibbles), _state(w, absmax.reshape(-1), blocksize, quant_type, nested, dtype)
+    return pack(nibbles), quant_state(w, absmax.reshape(-1), blocksize, quant_type, nested, dtype)
 
 
 class HessianAccumulator:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from q4._src import formats, quantizers
-from q4._src.kernels import dequantize_4bit, dequantize_blockwise, int8_quantize_rows, quantize_4bit, quantize_nested
+from q4._src.kernels import dequantize_4bit, dequantize_blockwise, int8_quantize_rows, quantize_4bit
 from q4._src.quant_state import QuantState
 
 
@@ -27,11 +27,7 @@ def quantize_weight_4bit(
     if method != "absmax":
         raise ValueError(f"method={method!r} needs calibration data: use replace_linear / quantize_model")
     packed, absmax = quantize_4bit(w, blocksize, quant_type)
-    state = QuantState(quant_type, blocksize, tuple(int(s) for s in w.shape), w.dtype.name, absmax)
-    if nested:
-        codes, absmax2, offset = quantize_nested(absmax)
-        state.absmax, state.nested_absmax, state.nested_offset = codes, absmax2, float(offset)
-    return packed, state.validate()
+    return packed, quantizers.quant_state(w, absmax, blocksize, quant_type, nested)
 
 
 def state_absmax(state: QuantState) -> np.ndarray:
