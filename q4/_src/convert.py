@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from q4._src import formats, quantizers
+from q4._src import formats
 from q4._src.checkpoint import (
     _NAMES,
     CheckpointError,
@@ -295,12 +295,11 @@ def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndar
         approx = dequantize_weight_int8(cb, scb)
     else:
         hessian = None if opts.hessians is None else opts.hessians.get(prefix[:-1])
-        if hessian is not None:
-            packed, state = quantizers.gptq(w.astype(np.float32), hessian, opts.blocksize, opts.quant_type, opts.nested,
-                                            damp=opts.gptq_damp, dtype=w.dtype.name)  # fmt: skip
-        else:  # gptq: a layer the calibration did not reach (or off the block) gets the mse scales
-            method = "mse" if opts.method == "gptq" else opts.method
-            packed, state = quantize_weight_4bit(w, opts.blocksize, opts.quant_type, opts.nested, method)
+        # gptq: a layer the calibration did not reach (or off the block) gets the mse scales
+        method = "gptq" if hessian is not None else "mse" if opts.method == "gptq" else opts.method
+        packed, state = quantize_weight_4bit(
+            w, opts.blocksize, opts.quant_type, opts.nested, method, hessian=hessian, damp=opts.gptq_damp
+        )
         out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
         approx = dequantize_weight_4bit(packed, state)
     err = _rel_error(w, approx)

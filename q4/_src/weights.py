@@ -16,18 +16,33 @@ from q4._src.quant_state import QuantState
 
 
 def quantize_weight_4bit(
-    w: np.ndarray, blocksize: int = 64, quant_type: str = "nf4", nested: bool = True, method: str = "absmax"
+    w: np.ndarray,
+    blocksize: int = 64,
+    quant_type: str = "nf4",
+    nested: bool = True,
+    method: str = "absmax",
+    *,
+    hessian: np.ndarray | None = None,
+    damp: float = 0.01,
+    dtype: str | None = None,
 ) -> tuple[np.ndarray, QuantState]:
     """(packed uint8 [ceil(n/2), 1], QuantState) of a float array, as a
-    bitsandbytes Linear4bit stores it; the state's dtype is w's dtype.
-    ``method='mse'`` chooses each block's scale by error (q4/_src/quantizers.py)."""
+    bitsandbytes Linear4bit stores it; the state's dtype is ``dtype`` or w's.
+    ``method``: 'absmax' (bitsandbytes'), 'mse' (each block's scale chosen by
+    error) or 'gptq' (a 2-D W [out, in] with its layer's ``hessian`` and
+    ``damp``); q4/_src/quantizers.py."""
     w = np.asarray(w)
     if quantizers.check_method(method) == "mse":
-        return quantizers.quantize_mse(w, blocksize, quant_type, nested)
-    if method != "absmax":
-        raise ValueError(f"method={method!r} needs calibration data: use replace_linear / quantize_model")
+        return quantizers.quantize_mse(w, blocksize, quant_type, nested, dtype)
+    if method == "gptq":
+        if hessian is None:
+            raise ValueError(
+                "method='gptq' needs the layer's Hessian (calibration data): use replace_linear / quantize_model"
+            )
+        return quantizers.gptq(w.astype(np.float32), hessian, blocksize, quant_type, nested, damp=damp,
+                               dtype=dtype or w.dtype.name)  # fmt: skip
     packed, absmax = quantize_4bit(w, blocksize, quant_type)
-    return packed, quantizers.quant_state(w, absmax, blocksize, quant_type, nested)
+    return packed, quantizers.quant_state(w, absmax, blocksize, quant_type, nested, dtype)
 
 
 def state_absmax(state: QuantState) -> np.ndarray:

@@ -12,6 +12,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from q4._src import formats, quantizers
+from q4._src.weights import quantize_weight_4bit
 from q4jax._src.embedding import Embedding4bit, Embedding8bit
 from q4jax._src.layers import Linear4bit, Linear8bit
 
@@ -172,13 +173,10 @@ def _error_minimised(linear, method: str, hessian, layer: Linear4bit, damp: floa
     """(packed, state) of a Linear's W = kernel.T by the 'mse' or 'gptq'
     quantizer with ``layer``'s settings."""
     kernel = linear.kernel.get_value()
-    w = np.asarray(kernel, np.float32).T
-    dtype = np.dtype(kernel.dtype).name
-    if method == "mse":
-        return quantizers.quantize_mse(w, layer.blocksize, layer.quant_type, layer.compress_statistics, dtype)
-    return quantizers.gptq(
-        w, hessian, layer.blocksize, layer.quant_type, layer.compress_statistics, damp=damp, dtype=dtype
-    )
+    return quantize_weight_4bit(
+        np.asarray(kernel, np.float32).T, layer.blocksize, layer.quant_type, layer.compress_statistics, method,
+        hessian=hessian, damp=damp, dtype=np.dtype(kernel.dtype).name,
+    )  # fmt: skip
 
 
 class _Recorder(nnx.Module):

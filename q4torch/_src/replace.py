@@ -14,6 +14,7 @@ from torch import nn
 
 import q4
 from q4._src import formats, quantizers
+from q4._src.weights import quantize_weight_4bit
 
 logger = logging.getLogger("q4torch")
 
@@ -108,14 +109,10 @@ def quantized_weight(
             quant_storage=quant_storage,
             module=layer,  # type: ignore[arg-type]
         ).to(weight.device)
-    w = weight.float().cpu().numpy()
-    dtype = str(weight.dtype).removeprefix("torch.")
-    if method == "mse":
-        packed, st = quantizers.quantize_mse(w, blocksize, quant_type, compress_statistics, dtype)
-    else:
-        if hessian is None:
-            raise ValueError("method='gptq' needs the layer's Hessian")
-        packed, st = quantizers.gptq(w, hessian, blocksize, quant_type, compress_statistics, damp=damp, dtype=dtype)
+    packed, st = quantize_weight_4bit(
+        weight.float().cpu().numpy(), blocksize, quant_type, compress_statistics, method,
+        hessian=hessian, damp=damp, dtype=str(weight.dtype).removeprefix("torch."),
+    )  # fmt: skip
     stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
     return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device=weight.device, module=layer)  # type: ignore[arg-type]
 
@@ -205,7 +202,7 @@ def replace_linear(
                 )
                 replaced[id(child)] = new
                 if method != "absmax":
-                    logger.info("replace_linear(method=%r): %s (%d of %d)", method, name, len(replaced), len(hessians))
+                    logger.info("replace_linear(method=%r): %s (%d layers done)", method, name, len(replaced))
                 before += child.weight.numel() * child.weight.element_size()
                 after += sum(t.numel() * t.element_size() for t in new.state_dict().values())
                 names.append(name)
@@ -278,12 +275,10 @@ def calibration_hessians(folder, texts: list[str], blocksize: int) -> dict[str, 
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or []))
     model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(folder, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder)
-    batches = [{k: v for k, v in tok(t, return_tensors="pt").items()} for t in texts]
+    batches = [dict(tok(t, return_tensors="pt")) for t in texts]
     targets = _targets(model, ())
     off_block = tuple(name for name, m in targets.values() if m.in_features % blocksize)
-    hessians = _calibrate(model, off_block, batches, blocksize)
-    names = _targets(model, off_block)
-    return {names[i][0]: h for i, h in hessians.items()}
+    return {targets[i][0]: h for i, h in _calibrate(model, off_block, batches, blocksize).items()}
 
 
 def _to_torch(value) -> torch.Tensor:
