@@ -489,6 +489,8 @@ def quantized_embedding(emb: nn.Embedding, quant_type: str, blocksize: int, comp
     table, quantized on its device (used by replace_linear and load_quantized).
     An nn.Embedding with max_norm (which renormalises rows in place on every
     lookup) cannot be frozen into a quantized table: ValueError."""
+    from q4torch._src.replace import quantized_weight
+
     formats.check_layer_type(quant_type)
     if emb.max_norm is not None:
         raise ValueError(
@@ -500,15 +502,7 @@ def quantized_embedding(emb: nn.Embedding, quant_type: str, blocksize: int, comp
     new: Embedding4bit | Embedding8bit
     if quant_type == "int8":
         new = Embedding8bit(emb.num_embeddings, emb.embedding_dim, device="meta", dtype=w.dtype)
-        new.weight = Int8Params(w.clone(), requires_grad=False, has_fp16_weights=False)
     else:
         new = Embedding4bit(emb.num_embeddings, emb.embedding_dim, dtype=w.dtype, quant_type=quant_type, device="meta")
-        new.weight = Params4bit(
-            w.clone(),
-            requires_grad=False,
-            blocksize=blocksize,
-            compress_statistics=compress_statistics,
-            quant_type=quant_type,
-            module=cast(Any, new),
-        )
+    new.weight = quantized_weight(new, w, blocksize, compress_statistics, quant_type)
     return new.to(device)

@@ -83,20 +83,21 @@ def quantized_weight(
     hessian: np.ndarray | None = None,
     damp: float = 0.01,
 ) -> nn.Parameter:
-    """A new quantized weight Parameter for the q4 ``layer`` from a float
-    ``weight`` [out, in] (nothing existing is written): an ``Int8Params`` for
-    a Linear8bitLt (quantized as it moves to the weight's device); else a ``Params4bit`` with the given 4-bit settings (the
+    """A new quantized weight Parameter for the q4 ``layer`` (a linear or
+    embedding layer) from a float ``weight`` (nothing existing is written):
+    for 'int8' an ``Int8Params`` (quantized as it moves to the weight's
+    device); else a ``Params4bit`` with the given 4-bit settings (the
     layer's quant_state follows it), its scales and codes by ``method``:
     'absmax' (bitsandbytes') quantizes on the weight's device as the
     parameters' first move there does (a meta weight stays unquantized);
     'mse' / 'gptq' (``hessian``, ``damp``) run q4's quantizers on the host
     (q4/_src/quantizers.py) and place the result on the weight's device.
-    The one place that builds them: replace_linear, transformers' quantize on
-    load and peft's requantize."""
-    from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
+    The one place that builds them: replace_linear, quantized embeddings,
+    transformers' quantize on load and peft's requantize."""
+    from q4torch.nn import Int8Params, Params4bit
 
     weight = weight.detach()
-    if isinstance(layer, Linear8bitLt):
+    if quant_type == "int8":
         # Int8Params quantizes on a move from the CPU (bitsandbytes' rule)
         return Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False).to(weight.device)
     if method == "absmax":
