@@ -37,7 +37,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name, shoul
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import q4
-from q4._src import formats
+from q4._src import formats, quantizers
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch._src.replace import quantized_weight
 
@@ -146,11 +146,12 @@ class Q4Config(QuantizationConfigMixin):
         self.quant_method = METHOD  # type: ignore[assignment]  # transformers' enum has no member for it
         formats.check_layer_options(quant_type, blocksize, activation_quant)
         formats.check_threshold(threshold)
-        if method not in ("absmax", "mse") or (method == "mse" and quant_type == "int8"):
+        if method == "gptq":
             raise ValueError(
-                f"Q4Config method must be 'absmax' or 'mse' (4-bit), got {method!r} with quant_type {quant_type!r} "
-                "(gptq needs calibration: q4torch.replace_linear(model, method='gptq', calibration=...))"
+                "Q4Config method must be 'absmax' or 'mse', got 'gptq' (it needs calibration: "
+                "q4torch.replace_linear(model, method='gptq', calibration=...))"
             )
+        quantizers.check_method_options(method, quant_type, None)
         unknown = sorted(set(kwargs) - {"q4", "quant_method"})
         if unknown:
             raise TypeError(f"Q4Config got unexpected arguments {unknown}")
