@@ -116,19 +116,34 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
 
 
-def calibration_sentences(n: int = 128) -> list[str]:
-    """``n`` English sentences for calibration (GPTQ), disjoint from SENTENCES:
-    prose from Python's own documentation (the standard library's
-    pydoc_data.topics, so nothing is downloaded), in a fixed order."""
+CALIBRATION_SOURCES = ("general", "pydoc")
+
+
+def calibration_sentences(n: int = 128, source: str = "general") -> list[str]:
+    """``n`` English sentences for calibration (GPTQ), disjoint from SENTENCES,
+    in a fixed order. ``source``: 'general', everyday English on many subjects
+    written for this project (calibration.txt beside this file, 128
+    sentences); 'pydoc', prose from Python's own documentation (the standard
+    library's pydoc_data.topics, so nothing is downloaded; each sentence
+    once), technical text unlike the evaluation sentences."""
     import re
+
+    if source == "general":
+        lines = (Path(__file__).with_name("calibration.txt")).read_text(encoding="utf-8").splitlines()
+        out = [s.strip() for s in lines if s.strip() and not s.startswith("#")]
+        if len(out) < n:
+            raise ValueError(f"only {len(out)} general calibration sentences available, asked for {n}")
+        return out[:n]
+    if source != "pydoc":
+        raise ValueError(f"source must be one of {CALIBRATION_SOURCES}, got {source!r}")
     from pydoc_data.topics import topics
 
     text = " ".join(topics[k] for k in sorted(topics))
     out = []
     for s in re.split(r"(?<=[.!?])\s+", text):
         s = s.strip()
-        if 40 < len(s) < 200 and "\n" not in s and re.match(r"^[A-Z][a-z]", s) and s not in SENTENCES:
-            out.append(s)
+        if 40 < len(s) < 200 and "\n" not in s and re.match(r"^[A-Z][a-z]", s) and s not in SENTENCES + out:
+            out.append(s)  # each sentence once (the topics repeat some)
         if len(out) == n:
             return out
     raise ValueError(f"only {len(out)} calibration sentences available, asked for {n}")

@@ -1,8 +1,9 @@
 """all-MiniLM-L6-v2 with q4's error-minimising 4-bit quantizers, same bytes
 format: per block size, the plain quantizer (absmax, bitsandbytes'), 'mse'
-(per-block scale search) and 'gptq' (128 calibration sentences from Python's
-docs, disjoint from the evaluation sentences; damping 0.01, GPTQ's, and
---damp). NF4, nested absmax.
+(per-block scale search) and 'gptq' with 128 calibration sentences disjoint
+from the evaluation sentences: everyday English ('general',
+calibration.txt) at GPTQ's damping 0.01, and Python's documentation
+('pydoc', technical text) at 0.01 and at --damp. NF4, nested absmax.
 
 Prints the mean cosine of the embeddings to the fp32 model's on
 common.SENTENCES, the mean relative weight error ||W - Q(W)|| / ||W|| over the
@@ -30,10 +31,10 @@ from examples.minilm import common, torch_model  # noqa: E402
 from q4._src.weights import dequantize_weight_4bit  # noqa: E402
 
 
-def calibration_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def calibration_batches(n: int, source: str = "general") -> list[tuple[torch.Tensor, torch.Tensor]]:
     tok = common.tokenizer()
     out = []
-    for s in common.calibration_sentences(n):
+    for s in common.calibration_sentences(n, source):
         e = tok.encode(s)
         k = int(sum(e.attention_mask))  # one sentence per batch: no padding tokens
         out.append((torch.tensor([e.ids[:k]]), torch.tensor([e.attention_mask[:k]])))
@@ -59,21 +60,22 @@ def main(argv=None) -> int:
     dense_t = common.load_tensors()
     dense = torch_model.load(dense_t)
     ref = torch_model.embed(dense, common.SENTENCES)
-    cal = calibration_batches(args.calibration)
+    cal = {source: calibration_batches(args.calibration, source) for source in common.CALIBRATION_SOURCES}
     q4torch.replace_linear(torch_model.load(dense_t), "nf4")  # warm-up (library and thread start-up not timed)
     print(
         f"all-MiniLM-L6-v2, NF4 nested, {len(common.SENTENCES)} evaluation sentences, "
-        f"{len(cal)} calibration sentences (disjoint); torch threads {torch.get_num_threads()}"
+        f"{args.calibration} calibration sentences (disjoint); torch threads {torch.get_num_threads()}"
     )
     print(
-        f"{'block':>5}  {'method':>9}  {'cosine':>7}  {'1-cos':>7}  {'weight err':>10}  {'time s':>7}  {'bnb vs q4':>9}"
+        f"{'block':>5}  {'method':>18}  {'cosine':>7}  {'1-cos':>7}  {'weight err':>10}  {'time s':>7}  {'bnb vs q4':>9}"
     )
     for bs in args.blocksizes:
-        for method, damp in (("absmax", 0.01), ("mse", 0.01), ("gptq", 0.01), ("gptq", args.damp)):
+        rows = (("absmax", 0.01, None), ("mse", 0.01, None), ("gptq", 0.01, "general"), ("gptq", 0.01, "pydoc"))
+        for method, damp, source in (*rows, ("gptq", args.damp, "pydoc")):
             model = torch_model.load(dense_t)
             t0 = time.perf_counter()
             q4torch.replace_linear(
-                model, "nf4", blocksize=bs, method=method, calibration=cal if method == "gptq" else None,
+                model, "nf4", blocksize=bs, method=method, calibration=cal[source] if source else None,
                 skip=("pooler.*",),  # unused by sentence embeddings (and never reached by calibration)
                 gptq_damp=damp,
             )  # fmt: skip
@@ -84,9 +86,9 @@ def main(argv=None) -> int:
             bnb_emb = torch_model.embed(torch_model.load_into_bitsandbytes(dense, sd), common.SENTENCES)
             agree = common.cosine(bnb_emb, emb).min()
             werr = weight_error(model, dense_t)
-            label = method if method != "gptq" else f"gptq {damp:g}"
+            label = method if method != "gptq" else f"gptq {source} {damp:g}"
             print(
-                f"{bs:>5}  {label:>9}  {cos:>7.5f}  {1 - cos:>7.5f}  {werr:>10.4f}  {dt:>7.2f}  {agree:>9.6f}",
+                f"{bs:>5}  {label:>18}  {cos:>7.5f}  {1 - cos:>7.5f}  {werr:>10.4f}  {dt:>7.2f}  {agree:>9.6f}",
                 flush=True,
             )
     return 0

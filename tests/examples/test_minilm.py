@@ -176,3 +176,24 @@ def test_qlora_adapters_train_in_both_frameworks():
         assert 0.9 < r["cos_before"] < 0.995, (name, r)
         assert r["cos_after"] > r["cos_before"] + 5e-3, (name, r)
         assert r["steps_per_s"] > 0
+
+
+@pytest.mark.parametrize("source", common.CALIBRATION_SOURCES)
+def test_calibration_sentences_are_disjoint_from_the_evaluation(source):
+    """GPTQ's calibration never reads an evaluation sentence: 128 distinct
+    sentences from each source, none of them (or a case / punctuation
+    variant of one) in SENTENCES."""
+    got = common.calibration_sentences(128, source)
+    assert len(got) == 128 and len(set(got)) == 128
+
+    def norm(s):
+        return "".join(c for c in s.lower() if c.isalnum())
+
+    assert not {norm(s) for s in got} & {norm(s) for s in SENTENCES}
+    with pytest.raises(ValueError, match="asked for 100000"):
+        common.calibration_sentences(100000, source)
+
+
+def test_calibration_source_is_checked():
+    with pytest.raises(ValueError, match="source must be one of"):
+        common.calibration_sentences(8, "wiki")
