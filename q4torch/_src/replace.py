@@ -229,6 +229,11 @@ def _targets(model: nn.Module, skip) -> dict[int, tuple[str, nn.Linear]]:
     return out
 
 
+# q4jax's name for the same operation (q4jax.quantize_model), so that code
+# written for both front ends reads the same; one function, two names.
+quantize_model = replace_linear
+
+
 def _calibrate(model: nn.Module, skip, calibration, blocksize: int) -> dict[int, np.ndarray]:
     """GPTQ's Hessians: sum of x x^T (fp64) of each target layer's inputs over
     the calibration batches, from one eval-mode, no-grad pass of the float

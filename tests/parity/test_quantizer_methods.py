@@ -75,7 +75,7 @@ def jax_bytes(model, name):
 def test_both_front_ends_give_the_same_bytes(method, quant_type):
     w, calib = weights()
     kw = dict(method=method, calibration=calib if method == "gptq" else None)
-    tm = q4torch.replace_linear(TorchNet(w), quant_type, **{**kw, "calibration": (
+    tm = q4torch.quantize_model(TorchNet(w), quant_type, **{**kw, "calibration": (
         None if method != "gptq" else [torch.from_numpy(x) for x in calib])})  # fmt: skip
     jm = q4jax.quantize_model(JaxNet(w), quant_type, **{**kw, "calibration": (
         None if method != "gptq" else [jnp.asarray(x) for x in calib])})  # fmt: skip
@@ -94,6 +94,12 @@ def test_both_front_ends_give_the_same_bytes(method, quant_type):
     t = torch_bytes(tm, "a")
     assert t["weight"].tobytes() == packed.tobytes()
     assert t["weight.absmax"].tobytes() == st.absmax.tobytes()
+
+
+def test_quantize_model_is_replace_linear():
+    """q4torch.quantize_model is the same function as replace_linear (the
+    name q4jax uses), not a copy that could drift."""
+    assert q4torch.quantize_model is q4torch.replace_linear
 
 
 def test_gptq_damping_reaches_both_front_ends():
