@@ -27,7 +27,7 @@ def main() -> dict:
     import q4torch
     import q4torch.functional as F
 
-    head = print_header("jax: q4jax 4-bit layer beside q4torch, jnp, qwix and XLA dense, 4096x4096 fp32")
+    head = print_header("jax: q4jax 4-bit layer beside q4torch, jnp, qwix and XLA dense, 4096x4096 fp32 (and bf16)")
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
     packed, state = q4jax.quantize_4bit(jnp.asarray(w), 64, "nf4", True)
@@ -55,8 +55,9 @@ def main() -> dict:
         qmodel = None
         print(f"qwix not run: {e} (.venv/bin/pip install qwix==0.1.8)")
 
+    fwd_dense_bf16 = functools.partial(jax.jit(lambda x, w: x @ w), w=wt.astype(jnp.bfloat16))
     results = {}
-    for m in (1, 32):
+    for m in (1, 8, 32):
         xn = rng.standard_normal((m, K)).astype(np.float32)
         x = jnp.asarray(xn)
         r = {
@@ -71,6 +72,13 @@ def main() -> dict:
             r["qwix / q4jax"] = r["qwix 0.1.8 nf4"] / r["q4jax matmul_4bit"]
         r["q4jax / q4torch"] = r["q4jax matmul_4bit"] / r["q4torch matmul_4bit"]
         r["XLA dense / q4jax"] = r["XLA dense fp32"] / r["q4jax matmul_4bit"]
+        # bf16 input: the bf16-compute kernels (README "bf16 compute") in both front ends
+        xb, xbt = x.astype(jnp.bfloat16), torch.from_numpy(xn).to(torch.bfloat16)
+        r["q4jax matmul_4bit bf16"] = median_ms(lambda xb=xb: jax.block_until_ready(fwd_q4(xb)))
+        r["q4torch matmul_4bit bf16"] = median_ms(lambda xbt=xbt: q4torch.matmul_4bit(xbt, pt, st))
+        r["XLA dense bf16"] = median_ms(lambda xb=xb: jax.block_until_ready(fwd_dense_bf16(xb)))
+        r["q4jax / q4torch bf16"] = r["q4jax matmul_4bit bf16"] / r["q4torch matmul_4bit bf16"]
+        r["XLA dense bf16 / q4jax bf16"] = r["XLA dense bf16"] / r["q4jax matmul_4bit bf16"]
         results[f"batch {m}"] = r
 
     # memory of a 4-layer remat training step, fused vs jnp dequantize + dot
