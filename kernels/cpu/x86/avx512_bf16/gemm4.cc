@@ -433,15 +433,17 @@ struct TileDecoder {
   __attribute__((always_inline)) inline void step() {
     const uint64_t f = uint64_t((r0 + r) * k + c0 + c);
     const int64_t b = int64_t(f >> shift) - b0;
-    if (c == 0 && (c0 + kTileK < k || r0 + rows + r < n)) {
-      // this row's bytes of the tile decoded next (the next k tile, or the
-      // next row tile's first) into L1: each tile row is a run of 2 lines of
-      // its own, which the hardware prefetchers do not catch in time
-      // (measured: the decode waited on these loads for a fifth of the time
-      // at m = 32)
-      const uint64_t g = c0 + kTileK < k ? f + kTileK : uint64_t((r0 + rows + r) * k);
+    // this row's bytes of the tile decoded next (the next k tile, or the
+    // next row tile's first) into L1: each tile row is a run of 2 lines of
+    // its own, which the hardware prefetchers do not catch in time
+    // (measured: the decode waited on these loads for a fifth of the time at
+    // m = 32); both prefetches stay inside that tile's run
+    const bool same_rows = c0 + kTileK < k;
+    if (c == 0 && (same_rows || r0 + rows + r < n)) {
+      const uint64_t g = same_rows ? f + kTileK : uint64_t((r0 + rows + r) * k);
+      const int64_t next_len = same_rows ? min64(kTileK, k - c0 - kTileK) : min64(kTileK, k);
       _mm_prefetch(reinterpret_cast<const char*>(packed + (g >> 1)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(packed + (g >> 1)) + 64, _MM_HINT_T0);
+      if (next_len > 128) _mm_prefetch(reinterpret_cast<const char*>(packed + (g >> 1)) + 64, _MM_HINT_T0);
     }
     const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
     const Chunk w = decode_chunk<TWO>(packed + (f >> 1), tab, upper_half_bit());
