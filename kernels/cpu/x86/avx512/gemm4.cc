@@ -119,9 +119,11 @@ inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
   return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + (f >> 5))));
 }
 
-// R rows from r0; rs[b - b_base] = scale of block b. The next row group's
-// chunk is prefetched (the hardware prefetchers miss the R interleaved row
-// streams). Four rows: eight independent FMA chains, enough to cover the FMA
+constexpr int64_t kPrefetchGroups = 2;  // W prefetched this many row groups ahead
+
+// R rows from r0; rs[b - b_base] = scale of block b. The chunk
+// kPrefetchGroups row groups ahead is prefetched (the hardware prefetchers
+// miss the R interleaved row streams). Four rows: eight independent FMA chains, enough to cover the FMA
 // latency (two rows' four chains left the loop latency-bound).
 template <QuantType QT, int R>
 void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int64_t b_base, int64_t r0) {
@@ -137,8 +139,9 @@ void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int
     __m512i v[R];
     __m512 a0[R], a1[R];
     for (int j = 0; j < R; ++j) {
-      const uint8_t* src = p.packed + ((r0 + j) * k + c * 128) / 2;
-      _mm_prefetch(reinterpret_cast<const char*>(src + R * k / 2), _MM_HINT_T0);
+      const int64_t f = (r0 + j) * k + c * 128;
+      const uint8_t* src = p.packed + f / 2;
+      if (f + kPrefetchGroups * R * k < p.n * k) prefetch_stream(src + kPrefetchGroups * R * k / 2);
       v[j] = _mm512_loadu_si512(src);
       a0[j] = a1[j] = _mm512_setzero_ps();
     }
@@ -185,6 +188,7 @@ void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales
       const int64_t re = std::min(n1, rb + kScaleRows);
       const int64_t b0 = (rb * p.k) >> shift, b1 = ((re * p.k - 1) >> shift) + 1;
       scales.decode(b0, b1, rs);
+      if (re < n1) scales.prefetch(b1, ((std::min(n1, re + kScaleRows) * p.k - 1) >> shift) + 1);
       int64_t r = rb;
       for (; r + kGemvRows <= re; r += kGemvRows) gemv128_rows<QT, kGemvRows>(p, xt, rs, b0, r);
       for (; r < re; ++r) gemv128_rows<QT, 1>(p, xt, rs, b0, r);

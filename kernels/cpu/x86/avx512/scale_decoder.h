@@ -17,6 +17,14 @@ namespace q4 {
 namespace cpu {
 namespace {
 
+// Prefetch of a weight that is streamed once (from L3 or DRAM), a few row
+// groups ahead of its use: into L2 (T1), not L1 (T0). A T0 prefetch holds one
+// of the core's few L1 miss buffers until the line arrives, which caps one
+// core's DRAM rate at ~10 GB/s (Zen 4, measured: batch-1 gemv 8 layers from
+// DRAM 1.25x faster with T1 two row groups ahead than T0 one ahead); the
+// L2 has more, and the L1 refill from L2 is short.
+inline void prefetch_stream(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
 class ScaleDecoder {
  public:
   explicit ScaleDecoder(const Absmax4& a) : a_(a) {
@@ -32,6 +40,16 @@ class ScaleDecoder {
     if (!a_.nested()) return a_.absmax[b];
     const float scaled = code_[a_.nested_codes[b]] * a_.nested_absmax[b / kNestedBlocksize];
     return scaled + offset_;
+  }
+  // Brings the stored scales of blocks [b0, b1) (the nested codes, or the
+  // fp32 absmax) into L2: decode() of the next row block then does not wait
+  // for them (2 KB per 32 rows of 4096, not in the hardware prefetchers' view
+  // while W streams).
+  void prefetch(int64_t b0, int64_t b1) const {
+    const int64_t size = a_.nested() ? 1 : int64_t(sizeof(float));
+    const char* base =
+        a_.nested() ? reinterpret_cast<const char*>(a_.nested_codes) : reinterpret_cast<const char*>(a_.absmax);
+    for (int64_t o = b0 * size; o < b1 * size; o += 64) prefetch_stream(base + o);
   }
   // scales of blocks [b0, b1) into out[0, b1 - b0)
   void decode(int64_t b0, int64_t b1, float* out) const {

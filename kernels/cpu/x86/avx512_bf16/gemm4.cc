@@ -91,9 +91,10 @@ using gemm4::kSlotPanels;
 using gemm4::kSlotRow;
 using gemm4::log2_exact;
 
-constexpr int64_t kChunk = 64;     // W elements decoded per step (32 packed bytes)
-constexpr int64_t kGemvMaxM = 18;  // gemv path up to this many rows of x (measured crossover)
-constexpr int kGemvGroup = 4;      // x rows per pass of the gemv path
+constexpr int64_t kChunk = 64;          // W elements decoded per step (32 packed bytes)
+constexpr int64_t kGemvMaxM = 18;       // gemv path up to this many rows of x (measured crossover)
+constexpr int kGemvGroup = 4;           // x rows per pass of the gemv path
+constexpr int kGemvPrefetchGroups = 2;  // gemv: W prefetched this many row groups ahead
 
 // ------------------------------------------------------------ small helpers
 
@@ -225,6 +226,7 @@ inline float load_bias_as(const void* bias, int64_t i) {
 
 struct GemvArgs {
   const uint8_t* packed;
+  int64_t size;  // n * k: W's elements
   int64_t k;
   int shift;
   __m512 codes;
@@ -271,9 +273,10 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
         const int64_t b = (f >> g.shift) - b_base;
         const __m512i tab = chunk_table<TWO>(g.codes, sc[b], TWO ? sc[b + 1] : 0.0f);
         // W is streamed once (from L3 or DRAM): ask for the same chunk of the
-        // next row group (what comes next; the hardware prefetchers miss the
-        // R interleaved row streams): from DRAM 1.6x faster
-        if ((c & kChunk) == 0) _mm_prefetch(reinterpret_cast<const char*>(g.packed + f / 2 + R * k / 2), _MM_HINT_T0);
+        // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
+        // the R interleaved row streams), one 64-byte line per two chunks
+        const int64_t fp = f + kGemvPrefetchGroups * R * k;
+        if ((c & kChunk) == 0 && fp < g.size) prefetch_stream(g.packed + fp / 2);
         w[i] = decode_chunk<TWO>(g.packed + f / 2, tab, half);
         if (MODE == W_STORE) {
           _mm512_store_si512(wbuf + i * ldw + (c - c0), w[i].hi);
@@ -348,7 +351,7 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
       _mm512_storeu_si512(xq + i + 32, o);
     }
   }
-  const GemvArgs g{p.packed, k, log2_exact(p.blocksize), code_table(p.quant_type), xq};
+  const GemvArgs g{p.packed, n * k, k, log2_exact(p.blocksize), code_table(p.quant_type), xq};
   // x groups of at most 4 rows, as even as possible
   const int groups = int(ceil_div(m, kGemvGroup));
   const int64_t gsize = ceil_div(m, groups);
@@ -368,6 +371,7 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
       const int64_t re = min64(n1, rb + kGemvBlockRows);
       const int64_t b0 = (rb * k) >> g.shift, b1 = ((re * k - 1) >> g.shift) + 1;
       scales.decode(b0, b1, sc);
+      if (re < n1) scales.prefetch(b1, ((min64(n1, re + kGemvBlockRows) * k - 1) >> g.shift) + 1);
       for (int64_t i = 0; i < (re - rb) * lda; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t c0 = 0; c0 < k; c0 += seg) {
         const int64_t c1 = min64(k, c0 + seg);
