@@ -59,6 +59,11 @@ struct Int8Dots {
   int64_t k;
   int32_t* acc;
   int64_t acc_stride;
+  // Weight rows that come next, to prefetch while these stream by (weight
+  // rows at stride k from `ahead`; ahead_rows <= nr of them, 0: none). The
+  // caller passes rows only on its first x block of w, and only rows of W.
+  const int8_t* ahead = nullptr;
+  int ahead_rows = 0;
 };
 using Int8DotsFn = bool (*)(const Int8Dots& d);
 // The same integer sums for a whole block: acc[i * lda + j] for i < m, j < n

@@ -237,6 +237,7 @@ bool quantize_rows_impl(const T* x, int64_t rows, int64_t cols, float threshold,
 constexpr int kLinMR = 4, kLinNR = 4;  // the AVX2 and scalar loops take the W rows in pairs
 constexpr int64_t kXPanelBytes = 256 << 10;
 constexpr int64_t kLinSubCols = 256;
+constexpr int64_t kLinAhead = 4;  // W row blocks of prefetch distance (int8_dots)
 // The int8_gemm chain (x rows as a block, cpu/dispatch.h) from this many x
 // rows, in blocks of kInt8GemmRows rows (their int32 sums kept between the
 // two steps).
@@ -413,8 +414,9 @@ void dot_tile(bool simd, int mr, const int8_t* xq, int64_t xs, const int8_t* con
 // w[j]: the chain's kernel if there is one, else the AVX2 / scalar tiles on
 // the W rows in pairs.
 void dot_block(const LinearShared& s, bool simd, int mr, const int8_t* xq, const int32_t* x_sums,
-               const int8_t* const* w, int nr, int64_t k, const int8_t (*wtail)[32], int32_t* acc) {
-  if (s.dots != nullptr && s.dots(Int8Dots{xq, s.kp, x_sums, w, mr, nr, k, acc, kLinNR})) return;
+               const int8_t* const* w, int nr, int64_t k, const int8_t (*wtail)[32], int32_t* acc, const int8_t* ahead,
+               int ahead_rows) {
+  if (s.dots != nullptr && s.dots(Int8Dots{xq, s.kp, x_sums, w, mr, nr, k, acc, kLinNR, ahead, ahead_rows})) return;
   for (int j = 0; j < nr; j += 2) {
     if (nr - j >= 2)
       dot_tile<2>(simd, mr, xq, s.kp, w + j, k, wtail + j, acc + j);
@@ -439,10 +441,17 @@ void linear_range(const Int8LinearParams& p, const LinearShared& s, bool simd, i
       for (int j = 0; j < kLinNR; ++j) w[j] = p.weight + (n0 + std::min(j, nr - 1)) * k;
       std::memset(wtail, 0, sizeof wtail);
       for (int j = 0; j < nr; ++j) std::memcpy(wtail[j], w[j] + k / 32 * 32, size_t(k % 32));
+      // the W rows kLinAhead blocks on, prefetched by the first x block (W
+      // streams once from L3 or DRAM; the hardware prefetchers pick up each
+      // new row late)
+      const int64_t na = n0 + kLinAhead * kLinNR;
+      const int ahead_rows = int(std::clamp<int64_t>(std::min(b1 * kLinNR, p.n) - na, 0, kLinNR));
+      const int8_t* ahead = ahead_rows > 0 ? p.weight + na * k : nullptr;
       for (int64_t m = m0; m < m1; m += kLinMR) {
         const int mr = int(std::min<int64_t>(kLinMR, m1 - m));
         int32_t acc[kLinMR * kLinNR];
-        dot_block(s, simd, mr, s.xq + m * s.kp, s.x_sums != nullptr ? s.x_sums + m : nullptr, w, nr, k, wtail, acc);
+        dot_block(s, simd, mr, s.xq + m * s.kp, s.x_sums != nullptr ? s.x_sums + m : nullptr, w, nr, k, wtail, acc,
+                  ahead, m == m0 ? ahead_rows : 0);
         const float* ot = s.nc > 0 ? o.data() + (m - m0) * (ne - ns) + (n0 - ns) : nullptr;
         linear_epilogue<TO>(p, s, m, mr, n0, nr, acc, kLinNR, ot, ne - ns);
       }

@@ -76,7 +76,11 @@ void dots(const Int8Dots& d) {
   for (int64_t c = 0; c < kfull; c += 64) {
     __m512i wv[NR];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(d.w[j] + c), flip);
+    for (int j = 0; j < NR; ++j) {
+      // into L2, not L1 (x86/avx512/scale_decoder.h, prefetch_stream)
+      if (j < d.ahead_rows) _mm_prefetch(reinterpret_cast<const char*>(d.ahead + j * k + c), _MM_HINT_T1);
+      wv[j] = _mm512_xor_si512(_mm512_loadu_si512(d.w[j] + c), flip);
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const __m512i xv = _mm512_loadu_si512(d.xq + i * d.xs + c);
