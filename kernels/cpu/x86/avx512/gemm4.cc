@@ -123,8 +123,9 @@ constexpr int64_t kPrefetchGroups = 2;  // W prefetched this many row groups ahe
 
 // R rows from r0; rs[b - b_base] = scale of block b. The chunk
 // kPrefetchGroups row groups ahead is prefetched (the hardware prefetchers
-// miss the R interleaved row streams). Four rows: eight independent FMA chains, enough to cover the FMA
-// latency (two rows' four chains left the loop latency-bound).
+// miss the R interleaved row streams). Four rows: eight independent FMA
+// chains, enough to cover the FMA latency (two rows' four chains left the
+// loop latency-bound).
 template <QuantType QT, int R>
 void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int64_t b_base, int64_t r0) {
   alignas(64) float codes[16];

@@ -32,6 +32,7 @@
 
 #include "../../dispatch.h"
 #include "../../parallel.h"
+#include "../prefetch.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 
@@ -77,8 +78,7 @@ void dots(const Int8Dots& d) {
     __m512i wv[NR];
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
-      // into L2, not L1 (x86/avx512/scale_decoder.h, prefetch_stream)
-      if (j < d.ahead_rows) _mm_prefetch(reinterpret_cast<const char*>(d.ahead + j * k + c), _MM_HINT_T1);
+      if (j < d.ahead_rows) prefetch_stream(d.ahead + j * k + c);
       wv[j] = _mm512_xor_si512(_mm512_loadu_si512(d.w[j] + c), flip);
     }
 #pragma GCC unroll 4

@@ -217,7 +217,7 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
       const int64_t bytes = std::min<int64_t>(64, (len - 128 * c) / 2);
       const __m512i v = bytes == 64 ? _mm512_loadu_si512(src + 64 * c)
                                     : _mm512_maskz_loadu_epi8(~__mmask64(0) >> (64 - bytes), src + 64 * c);
-      if (64 * c < next_bytes) _mm_prefetch(next + 64 * c, _MM_HINT_T1);
+      if (64 * c < next_bytes) prefetch_stream(next + 64 * c);
       const __m512i hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
       const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
       const __m512i w0 = ba == 64 ? _mm512_shuffle_i64x2(hi, lo, 0x44) : _mm512_permutex2var_epi64(hi, ba32_lo, lo);
