@@ -251,7 +251,16 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
     for (int j = 0; j < M; ++j)
       for (int h = 0; h < H; ++h) acc[i][j][h] = acc_mem[i * lda + j * H + h];
   const uint16_t* x = g.xq + j0 * k;
+  // W row i's element offset (unsigned: the byte offsets and block indices
+  // below are shifts); the prefetch distance stays inside W for the whole
+  // tile, or the tile does not prefetch (the last row groups)
+  uint64_t frow[R];
+  for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
+  const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
+  const bool pf = MODE != W_LOAD && frow[R - 1] + pf_dist + uint64_t(c1) <= uint64_t(g.size);
+  const unsigned shift = unsigned(g.shift);
   for (int64_t c = c0; c < c1; c += kChunk) {
+    const bool pf_now = pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
     __m512i xe[M], xo[M];
@@ -269,15 +278,14 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
         w[i].hi = _mm512_load_si512(wbuf + i * ldw + (c - c0));
         w[i].lo = _mm512_load_si512(wbuf + i * ldw + (c - c0) + 32);
       } else {
-        const int64_t f = (r0 + i) * k + c;
-        const int64_t b = (f >> g.shift) - b_base;
-        const __m512i tab = chunk_table<TWO>(g.codes, sc[b], TWO ? sc[b + 1] : 0.0f);
+        const uint64_t f = frow[i] + uint64_t(c);
+        const float* s = sc + ((f >> shift) - uint64_t(b_base));
+        const __m512i tab = chunk_table<TWO>(g.codes, s[0], TWO ? s[1] : 0.0f);
         // W is streamed once (from L3 or DRAM): ask for the same chunk of the
         // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
         // the R interleaved row streams), one 64-byte line per two chunks
-        const int64_t fp = f + kGemvPrefetchGroups * R * k;
-        if ((c & kChunk) == 0 && fp < g.size) prefetch_stream(g.packed + fp / 2);
-        w[i] = decode_chunk<TWO>(g.packed + f / 2, tab, half);
+        if (pf_now) prefetch_stream(g.packed + ((f + pf_dist) >> 1));
+        w[i] = decode_chunk<TWO>(g.packed + (f >> 1), tab, half);
         if (MODE == W_STORE) {
           _mm512_store_si512(wbuf + i * ldw + (c - c0), w[i].hi);
           _mm512_store_si512(wbuf + i * ldw + (c - c0) + 32, w[i].lo);
