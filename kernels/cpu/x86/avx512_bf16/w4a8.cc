@@ -2,21 +2,24 @@
 // cpu/w4a8.cc, and both produce the same bits).
 //
 // Lanes are 16 rows of X. X is quantized once per call into panels
-// [group of 16 rows][k/4][16 rows][4 bytes] holding q + 128 (unsigned, for
-// vpdpbusd's unsigned operand) and the block scales sx [group][block][16].
+// [group of 16 rows][k/4][16 rows][4 bytes] holding q (vpdpbusd's signed
+// operand), the block scales sx [group][block][16] and xc [group][block][16]
+// = -128 * the block's sum of q.
 // Within each activation block the columns are stored in "strip order": the
 // even columns, then the odd ones -- the order in which the weight's high and
 // low nibbles come out of one table lookup each, so decoding a weight strip
 // needs no interleave (the block sums are exact integers, so the order of
 // their terms changes nothing).
 //
-// Weight rows are decoded in strips of kKc columns by up to 24 rows into int8
-// table values (L1) with, per activation block, corr = -128 * sum w8, so that
-// an accumulator started at corr ends the block at sum (q + 128) * w8 - 128 *
-// sum w8 = isum exactly. A register tile of MR groups x NR strip rows (MR * NR
-// = 24 int32 accumulators) takes, per 4 columns, MR panel loads, NR broadcast
-// weight dwords and MR * NR vpdpbusd; after each block every accumulator is
-// converted and added into its fp32 sum (in L1) in the contract's order.
+// Weight rows are decoded in strips of kKc columns by up to 24 rows into
+// unsigned table values w8 + 128 (L1), so that an accumulator started at xc
+// ends the block at sum q * (w8 + 128) - 128 * sum q = isum exactly (the
+// correction belongs to X, computed once per call, so the decode is two
+// table lookups per 128 columns). A register tile of MR groups x NR strip
+// rows (MR * NR = 24 int32 accumulators) takes, per 4 columns, MR panel
+// loads, NR broadcast weight dwords and MR * NR vpdpbusd; after each block
+// every accumulator is converted and added into its fp32 sum (in L1) in the
+// contract's order.
 //
 // Per thread: for each pass of X groups that fits L2 (kPanelBytes), each
 // chunk of weight rows is decoded strip by strip and swept by every tile of
@@ -84,8 +87,9 @@ inline __m512 load16(const bf16_t* p) {
 }
 
 struct Panels {
-  uint8_t* xp;  // [groups][steps][16][4]
+  int8_t* xp;   // [groups][steps][16][4]
   float* sx;    // [groups][nb][16]
+  int32_t* xc;  // [groups][nb][16]: -128 * sum of the block's q
   int64_t groups, steps, nb;
 };
 
@@ -120,21 +124,23 @@ float quantize_block(const T* src, int nv, __m128i* q) {
   return s.sx;
 }
 
-// Rows [r0, r1) of x into the panels (q + 128).
+// Rows [r0, r1) of x into the panels.
 template <typename T>
 void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, const Panels& pn) {
   const int nv = int(ba / 16);
-  const __m128i flip = _mm_set1_epi8(char(0x80));
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t g = r / 16, l = r % 16;
-    uint8_t* dst = pn.xp + g * pn.steps * 64 + l * 4;
+    int8_t* dst = pn.xp + g * pn.steps * 64 + l * 4;
     const T* row = x + r * k;
     for (int64_t b = 0; b < pn.nb; ++b) {
       __m128i qv[4];
       pn.sx[(g * pn.nb + b) * 16 + l] = quantize_block(row + b * ba, nv, qv);
+      __m512i sum = _mm512_setzero_si512();
+      for (int i = 0; i < nv; ++i) sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(qv[i]));
+      pn.xc[(g * pn.nb + b) * 16 + l] = -128 * _mm512_reduce_add_epi32(sum);  // |sum| <= 64 * 127
       for (int i = 0; i < nv; ++i) {
-        const __m128i q = _mm_xor_si128(qv[i], flip);
-        uint8_t* d = dst + (b * ba / 4 + 4 * i) * 64;
+        const __m128i q = qv[i];
+        int8_t* d = dst + (b * ba / 4 + 4 * i) * 64;
         const uint32_t d0 = uint32_t(_mm_cvtsi128_si32(q)), d1 = uint32_t(_mm_extract_epi32(q, 1)),
                        d2 = uint32_t(_mm_extract_epi32(q, 2)), d3 = uint32_t(_mm_extract_epi32(q, 3));
         std::memcpy(d, &d0, 4);
@@ -146,12 +152,15 @@ void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, co
   }
 }
 
-// Rows of the last group past m: q = 0 (byte 128), sx = 0.
+// Rows of the last group past m: q = 0, sx = 0, xc = 0.
 void pad_rows(int64_t m, const Panels& pn) {
   for (int64_t r = m; r < pn.groups * 16; ++r) {
     const int64_t g = r / 16, l = r % 16;
-    for (int64_t t = 0; t < pn.steps; ++t) std::memset(pn.xp + (g * pn.steps + t) * 64 + l * 4, 0x80, 4);
-    for (int64_t b = 0; b < pn.nb; ++b) pn.sx[(g * pn.nb + b) * 16 + l] = 0.0f;
+    for (int64_t t = 0; t < pn.steps; ++t) std::memset(pn.xp + (g * pn.steps + t) * 64 + l * 4, 0, 4);
+    for (int64_t b = 0; b < pn.nb; ++b) {
+      pn.sx[(g * pn.nb + b) * 16 + l] = 0.0f;
+      pn.xc[(g * pn.nb + b) * 16 + l] = 0;
+    }
   }
 }
 
@@ -173,19 +182,16 @@ inline __m512i half_sums8(const __m512i* v) {
 }
 
 // Decodes columns [c0, c0 + len) of weight rows [n0, n0 + rows) (c0 and len
-// multiples of ba, len <= kKc) into w8 [rows][kKc] (int8 table values), corr
-// [rows][kKc / 32] (-128 * each activation block's sum) and sw [rows][kKc / 32]
-// (block scale / S, one per activation block); block_scales: room for
-// kKc / 32 + 2 floats.
+// multiples of ba, len <= kKc) into w8 [rows][kKc] (unsigned table values
+// w8 + 128) and sw [rows][kKc / 32] (block scale / S, one per activation
+// block); block_scales: room for kKc / 32 + 2 floats.
 template <QuantType QT>
 void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0, int rows, int64_t c0, int64_t len,
-                 int64_t ba, int8_t* w8, int32_t* corr, float* sw, float* block_scales) {
-  alignas(16) int8_t t8[16];
-  for (int i = 0; i < 16; ++i) t8[i] = w4a8::table8<QT>(i);
+                 int64_t ba, uint8_t* w8, float* sw, float* block_scales) {
+  alignas(16) uint8_t t8[16];
+  for (int i = 0; i < 16; ++i) t8[i] = uint8_t(w4a8::table8<QT>(i) + 128);
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i ones = _mm512_set1_epi8(1);
-  const __m512i neg128 = _mm512_set1_epi32(-128);
   const int64_t k = p.k, nb = len / ba;
   const int shift = log2_exact(p.blocksize);
   const float inv_scale = w4a8::inv_table_scale<QT>();
@@ -201,19 +207,13 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
     const int64_t next_row = last_strip ? n0 + rows + j : n0 + j, next_c0 = last_strip ? 0 : c0 + len;
     const int64_t next_bytes = next_row < p.n ? std::min(kKc, k - next_c0) / 2 : 0;
     const char* next = reinterpret_cast<const char*>(p.packed + (next_bytes ? (next_row * k + next_c0) / 2 : 0));
-    int8_t* dst = w8 + j * kKc;
-    int32_t* cj = corr + j * kMaxBlocks;
+    uint8_t* dst = w8 + j * kKc;
     // 128 columns (64 bytes) at a time: the high nibbles (even columns) and
     // the low ones (odd columns) looked up at once, then each activation
     // block's even half followed by its odd half
-    __m512i sums[kKc / 64];
     const __m512i ba32_lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
     const __m512i ba32_hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    for (int64_t c = 0; c < kKc / 128; ++c) {
-      if (128 * c >= len) {
-        sums[2 * c] = sums[2 * c + 1] = _mm512_setzero_si512();
-        continue;
-      }
+    for (int64_t c = 0; 128 * c < len; ++c) {
       const int64_t bytes = std::min<int64_t>(64, (len - 128 * c) / 2);
       const __m512i v = bytes == 64 ? _mm512_loadu_si512(src + 64 * c)
                                     : _mm512_maskz_loadu_epi8(~__mmask64(0) >> (64 - bytes), src + 64 * c);
@@ -224,18 +224,6 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
       const __m512i w1 = ba == 64 ? _mm512_shuffle_i64x2(hi, lo, 0xee) : _mm512_permutex2var_epi64(hi, ba32_hi, lo);
       _mm512_store_si512(dst + 128 * c, w0);
       _mm512_store_si512(dst + 128 * c + 64, w1);
-      sums[2 * c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0);
-      sums[2 * c + 1] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w1);
-    }
-    // activation block sums: kKc / 64 == 16 chunks, one reduction
-    static_assert(kKc == 1024, "one 16-vector reduction per decoded strip");
-    const __m512i h0 = half_sums8(sums), h1 = half_sums8(sums + 8);
-    if (ba == 64) {  // lane i = chunk i
-      _mm512_storeu_si512(cj, _mm512_mullo_epi32(lane_pairs(h0, h1), neg128));
-    } else {  // ba == 32: two blocks a chunk; h0 lane 4q + i = chunk 4(q/2) + i, half q % 2
-      const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
-      _mm512_storeu_si512(cj, _mm512_mullo_epi32(_mm512_permutexvar_epi32(order, h0), neg128));
-      _mm512_storeu_si512(cj + 16, _mm512_mullo_epi32(_mm512_permutexvar_epi32(order, h1), neg128));
     }
     // sw: the blocks' scales (decoded 16 at a time), one per activation block, * fp32(1 / S)
     const int64_t first = f0 >> shift, last = (f0 + len - 1) >> shift;
@@ -254,8 +242,7 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
 }
 
 struct Strip {  // a decoded strip of weight rows (decode_rows)
-  const int8_t* w8;
-  const int32_t* corr;
+  const uint8_t* w8;
   const float* sw;
   int64_t t0;      // first step (4 columns) of the strip in X's panels
   int64_t b0;      // first activation block of the strip
@@ -269,18 +256,18 @@ struct Strip {  // a decoded strip of weight rows (decode_rows)
 // accumulators: MR * NR = 24 chains cover vpdpbusd's latency.
 template <int MR, int NR>
 void tile(const Panels& pn, int64_t g0, const Strip& w, float (*res)[16]) {
-  const uint8_t* xg = pn.xp + (g0 * pn.steps + w.t0) * 64;
+  const int8_t* xg = pn.xp + (g0 * pn.steps + w.t0) * 64;
   const int64_t gstride = pn.steps * 64;
   for (int64_t b = 0; b < w.nb; ++b) {
     __m512i acc[MR][NR];
-#pragma GCC unroll 24
-    for (int j = 0; j < NR; ++j) {
-      const __m512i c = _mm512_set1_epi32(w.corr[j * kMaxBlocks + b]);
 #pragma GCC unroll 2
-      for (int g = 0; g < MR; ++g) acc[g][j] = c;
+    for (int g = 0; g < MR; ++g) {
+      const __m512i c = _mm512_loadu_si512(pn.xc + ((g0 + g) * pn.nb + w.b0 + b) * 16);
+#pragma GCC unroll 24
+      for (int j = 0; j < NR; ++j) acc[g][j] = c;
     }
-    const int8_t* wb = w.w8 + b * w.bsteps * 4;
-    const uint8_t* xb = xg + b * w.bsteps * 64;
+    const uint8_t* wb = w.w8 + b * w.bsteps * 4;
+    const int8_t* xb = xg + b * w.bsteps * 64;
     for (int64_t t = 0; t < w.bsteps; ++t) {
       __m512i xv[MR];
 #pragma GCC unroll 2
@@ -291,7 +278,7 @@ void tile(const Panels& pn, int64_t g0, const Strip& w, float (*res)[16]) {
         std::memcpy(&wd, wb + j * kKc + 4 * t, 4);
         const __m512i wv = _mm512_set1_epi32(wd);
 #pragma GCC unroll 2
-        for (int g = 0; g < MR; ++g) acc[g][j] = dpbusd(acc[g][j], xv[g], wv);
+        for (int g = 0; g < MR; ++g) acc[g][j] = dpbusd(acc[g][j], wv, xv[g]);
       }
     }
 #pragma GCC unroll 2
@@ -325,19 +312,17 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
       std::max<int64_t>(mr, std::min<int64_t>(kMaxPassGroups, kPanelBytes / (pn.steps * 64)) / mr * mr);
   parallel_for(chunks, 1, [&](int64_t c0, int64_t c1) {
     const ScaleDecoder scales(p.scales);
-    // per thread: the strip (w8, corr, sw), block scales, the pass's fp32 sums
-    const int64_t strip_bytes = kTileAcc * (kKc + 8 * kMaxBlocks);
+    // per thread: the strip (w8, sw), block scales, the pass's fp32 sums
+    const int64_t strip_bytes = kTileAcc * (kKc + 4 * kMaxBlocks);
     char* buf =
         aligned_scratch<char>(kSlotRow, strip_bytes + 4 * (kMaxBlocks + 2) + 4 * kMaxPassGroups * kTileAcc * 16 + 128);
-    int8_t* w8 = reinterpret_cast<int8_t*>(buf);
-    int32_t* corr = reinterpret_cast<int32_t*>(buf + kTileAcc * kKc);
-    float* sw = reinterpret_cast<float*>(corr + kTileAcc * kMaxBlocks);
+    uint8_t* w8 = reinterpret_cast<uint8_t*>(buf);
+    float* sw = reinterpret_cast<float*>(buf + kTileAcc * kKc);
     float* block_scales = sw + kTileAcc * kMaxBlocks;
     auto* res = reinterpret_cast<float (*)[16]>((reinterpret_cast<uintptr_t>(block_scales + kMaxBlocks + 2) + 63) &
                                                 ~uintptr_t(63));
     Strip w;
     w.w8 = w8;
-    w.corr = corr;
     w.sw = sw;
     w.bsteps = ba / 4;
     for (int64_t gb = 0; gb < pn.groups; gb += per_pass) {
@@ -348,7 +333,7 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
         std::memset(res, 0, size_t((ge - gb) * kTileAcc * 16) * sizeof(float));
         for (int64_t k0 = 0; k0 < p.k; k0 += kKc) {
           const int64_t len = std::min(kKc, p.k - k0);
-          decode_rows<QT>(p, scales, n0, nr, k0, len, ba, w8, corr, sw, block_scales);
+          decode_rows<QT>(p, scales, n0, nr, k0, len, ba, w8, sw, block_scales);
           w.t0 = k0 / 4;
           w.b0 = k0 / ba;
           w.nb = len / ba;
@@ -502,8 +487,9 @@ bool w4a8(const Gemm4bitParams& p, const Scales&) {
   pn.groups = ceil_div(p.m, int64_t(16));
   pn.steps = p.k / 4;
   pn.nb = p.k / ba;
-  pn.xp = aligned_scratch<uint8_t>(kSlotPanels, pn.groups * pn.steps * 64);
-  pn.sx = aligned_scratch<float>(kSlotInput, pn.groups * pn.nb * 16 * 4);
+  pn.xp = aligned_scratch<int8_t>(kSlotPanels, pn.groups * pn.steps * 64);
+  pn.sx = aligned_scratch<float>(kSlotInput, pn.groups * pn.nb * 16 * 8);
+  pn.xc = reinterpret_cast<int32_t*>(pn.sx + pn.groups * pn.nb * 16);
   Q4_DTYPE_SWITCH(p.x_dtype, T, [&] {
     parallel_for(p.m, 4,
                  [&](int64_t r0, int64_t r1) { quantize_rows(static_cast<const T*>(p.x), r0, r1, p.k, ba, pn); });
