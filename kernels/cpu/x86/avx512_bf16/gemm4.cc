@@ -79,6 +79,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include "../avx512/scale_decoder.h"
+#include "../avx512/store16.h"
 
 namespace q4 {
 namespace cpu {
@@ -191,30 +192,6 @@ inline void transpose16(__m512i r[16]) {
     r[j] = _mm512_shuffle_i32x4(a, b, 0x88);
     r[8 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);
   }
-}
-
-// Output stores: 16 fp32 values (of which `count` are written) as T.
-template <typename T>
-inline void store16(T* dst, __m512 v, int count);
-template <>
-inline void store16<float>(float* dst, __m512 v, int count) {
-  _mm512_mask_storeu_ps(dst, __mmask16((1u << count) - 1), v);
-}
-template <>
-inline void store16<bf16_t>(bf16_t* dst, __m512 v, int count) {
-  // round to nearest even; NaN -> quiet NaN (as f32_to_bf16)
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_mask_storeu_epi16(dst, __mmask16((1u << count) - 1), _mm512_cvtepi32_epi16(r));
-}
-template <>
-inline void store16<f16_t>(f16_t* dst, __m512 v, int count) {
-  alignas(64) float t[16];
-  _mm512_store_ps(t, v);
-  for (int i = 0; i < count; ++i) Elem<f16_t>::store(dst, i, t[i]);
 }
 
 template <typename T>
