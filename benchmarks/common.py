@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -50,8 +51,11 @@ def interleaved(
     spinning (PyTorch's OpenMP team and XLA's pool both spin-wait after an
     op, and would otherwise steal cores from whoever runs next); the untimed
     call wakes this contestant's own pool and brings its operands back into
-    cache after the other contestants evicted them. The order rotates from
-    round to round, so no contestant always runs first or after the same neighbour.
+    cache after the other contestants evicted them. The order is a fresh
+    permutation each round (seeded, so runs repeat it), so no contestant
+    always runs first or after the same neighbour (a rotation would keep the
+    cyclic order: each contestant would nearly always follow the same one,
+    e.g. one whose thread pool or cache footprint slows whoever comes next).
     Returns, per name: median_ms, min_ms, calls (per sample), rounds.
     """
     calls = {}
@@ -64,9 +68,11 @@ def interleaved(
         calls[name] = max(1, math.ceil(min_sample_s / max(one, 1e-9)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
-    for k in range(rounds):
-        # rotate the order each round: no contestant always runs right after the same neighbour
-        for name in names[k % len(names) :] + names[: k % len(names)]:
+    order = random.Random(0)
+    for _ in range(rounds):
+        # a new order each round: no contestant always runs right after the same neighbour
+        order.shuffle(names)
+        for name in list(names):
             fn, n = fns[name], calls[name]
             time.sleep(SETTLE_S)
             fn()

@@ -1,0 +1,123 @@
+// Per-core throughput of the vector instructions the x86 kernels are built
+// from, alone and in the mixes the kernels issue: how many cycles one
+// instruction (or one pair) occupies on this core. It is the arithmetic
+// behind the "measured limits" in kernels/README.md and the README's speed
+// section (which targets a CPU can reach at all).
+//
+//   g++ -O2 -march=native -o /tmp/pipes benchmarks/pipes.cc && /tmp/pipes
+//
+// Needs AVX512_BF16 and AVX512_VNNI (checked at run time). The clock is
+// calibrated with a chain of dependent integer adds (one cycle each); every
+// instruction under test is an `asm` statement on register operands, so the
+// compiler can neither fold nor reorder it, and 12 independent accumulators
+// cover every latency measured here (<= 6.4 cycles).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+namespace {
+
+double seconds() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+constexpr long kIters = 50'000'000;
+
+// ns per iteration of body (kIters iterations), best of 3
+template <typename F>
+double ns_per_iter(F&& body) {
+  double best = 1e30;
+  for (int r = 0; r < 3; ++r) {
+    const double t0 = seconds();
+    body();
+    best = std::min(best, (seconds() - t0) / kIters * 1e9);
+  }
+  return best;
+}
+
+#define Q4_R12(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11)
+#define Q4_DECL(i) __m512i a##i = _mm512_set1_epi32(i + 1);
+
+// 12 independent instructions per iteration (INSN dst-in-out, src1, src2).
+#define Q4_TWELVE(INSN)                    \
+  [&] {                                    \
+    Q4_R12(Q4_DECL)                        \
+    for (long it = 0; it < kIters; ++it) { \
+      Q4_R12(Q4_ONE_##INSN)                \
+    }                                      \
+    Q4_R12(Q4_SINK)                        \
+  }
+#define Q4_SINK(i) asm volatile("" : : "v"(a##i));
+#define Q4_ONE_dpbf16(i) asm("vdpbf16ps %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_ONE_dpbusd(i) asm("vpdpbusd %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_ONE_fma(i) asm("vfmadd231ps %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_ONE_vpermw(i) asm("vpermw %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_ONE_vpshufb(i) asm("vpshufb %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_ONE_cvt2bf16(i) asm("vcvtne2ps2bf16 %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_ONE_zext(i) asm("vpmovzxbw %1, %0" : "+v"(a##i) : "v"(xh));
+#define Q4_ONE_srlw(i) asm("vpsrlw $4, %1, %0" : "+v"(a##i) : "v"(x));
+// one dot product beside one decode instruction (12 pairs per iteration)
+#define Q4_DECL_B(i) __m512i b##i = _mm512_set1_epi32(i + 1);
+#define Q4_SINK_B(i) asm volatile("" : : "v"(b##i));
+#define Q4_PAIR(INSN)                      \
+  [&] {                                    \
+    Q4_R12(Q4_DECL)                        \
+    Q4_R12(Q4_DECL_B)                      \
+    for (long it = 0; it < kIters; ++it) { \
+      Q4_R12(Q4_ONE_dpbf16)                \
+      Q4_R12(Q4_TWO_##INSN)                \
+    }                                      \
+    Q4_R12(Q4_SINK)                        \
+    Q4_R12(Q4_SINK_B)                      \
+  }
+#define Q4_TWO_vpermw(i) asm("vpermw %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_zext(i) asm("vpmovzxbw %1, %0" : "+v"(b##i) : "v"(xh));
+#define Q4_TWO_cvt2bf16(i) asm("vcvtne2ps2bf16 %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_srlw(i) asm("vpsrlw $4, %1, %0" : "+v"(b##i) : "v"(x));
+#define Q4_TWO_mulps(i) asm("vmulps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+
+}  // namespace
+
+int main() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512vnni")) {
+    std::printf("this CPU lacks AVX512_BF16 or AVX512_VNNI: nothing to measure\n");
+    return 0;
+  }
+  __m512i x = _mm512_set1_epi16(0x3f80), y = _mm512_set1_epi16(0x0102);
+  __m256i xh = _mm256_set1_epi16(0x0102);
+  asm volatile("" : "+v"(x), "+v"(y), "+v"(xh));
+  // the clock: 4 dependent adds per iteration, one cycle each
+  const double ns_cycle = ns_per_iter([] {
+                            long s = 0;
+                            for (long it = 0; it < kIters; ++it)
+                              asm volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(s));
+                          }) /
+                          4;
+  std::printf("clock ~%.2f GHz (dependent integer adds)\n", 1 / ns_cycle);
+  std::printf("cycles per instruction, one core, 12 independent zmm chains:\n");
+  struct Row {
+    const char* name;
+    double ns;
+  };
+  const Row alone[] = {
+      {"vdpbf16ps", ns_per_iter(Q4_TWELVE(dpbf16))}, {"vpdpbusd", ns_per_iter(Q4_TWELVE(dpbusd))},
+      {"vfmadd231ps", ns_per_iter(Q4_TWELVE(fma))},  {"vpermw", ns_per_iter(Q4_TWELVE(vpermw))},
+      {"vpshufb", ns_per_iter(Q4_TWELVE(vpshufb))},  {"vcvtne2ps2bf16", ns_per_iter(Q4_TWELVE(cvt2bf16))},
+      {"vpmovzxbw", ns_per_iter(Q4_TWELVE(zext))},   {"vpsrlw", ns_per_iter(Q4_TWELVE(srlw))},
+  };
+  for (const Row& r : alone) std::printf("  %-16s %.2f\n", r.name, r.ns / 12 / ns_cycle);
+  std::printf("cycles per pair, vdpbf16ps beside one decode instruction (1.00 = fully overlapped):\n");
+  const Row pairs[] = {
+      {"+ vpermw", ns_per_iter(Q4_PAIR(vpermw))},
+      {"+ vpmovzxbw", ns_per_iter(Q4_PAIR(zext))},
+      {"+ vcvtne2ps2bf16", ns_per_iter(Q4_PAIR(cvt2bf16))},
+      {"+ vpsrlw", ns_per_iter(Q4_PAIR(srlw))},
+      {"+ vmulps", ns_per_iter(Q4_PAIR(mulps))},
+  };
+  for (const Row& r : pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
+  const double dot = alone[0].ns / 12 / ns_cycle, dpbusd = alone[1].ns / 12 / ns_cycle;
+  std::printf("per core: %.0f bf16 GFLOP/s (vdpbf16ps), %.0f int8 GOP/s (vpdpbusd) at this clock\n",
+              64 / (dot * ns_cycle), 128 / (dpbusd * ns_cycle));
+  return 0;
+}
