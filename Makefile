@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install install-demo lint bazel sanitize fuzz bench bnb-tests clean
+.PHONY: demo test install install-demo lint bazel sanitize fuzz bench pipes bnb-tests clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ demo: install-demo
 bench: install
 	$(BIN)/pip install -q "qwix==0.1.8"
 	$(BIN)/python benchmarks/run.py
+
+# what one core issues: dot products, permutes, conversions (benchmarks/pipes.cc)
+pipes:
+	mkdir -p build && $(CXX) -O2 -march=native -o build/pipes benchmarks/pipes.cc && build/pipes
 
 # bitsandbytes' own test files against q4torch (README "bitsandbytes API -> q4"):
 #   make bnb-tests BNB_TESTS=/path/to/bitsandbytes/tests [BNB_ARGS='tests/test_functional.py -k ...']

@@ -4,7 +4,7 @@
 // behind the "measured limits" in kernels/README.md and the README's speed
 // section (which targets a CPU can reach at all).
 //
-//   g++ -O2 -march=native -o /tmp/pipes benchmarks/pipes.cc && /tmp/pipes
+//   make pipes    (g++ -O2 -march=native -o build/pipes benchmarks/pipes.cc && build/pipes)
 //
 // Needs AVX512_BF16 and AVX512_VNNI (checked at run time). The clock is
 // calibrated with a chain of dependent integer adds (one cycle each); every
