@@ -58,7 +58,7 @@ using gemm4::kSlotRow;
 using gemm4::log2_exact;
 using gemm4::Scales;
 
-constexpr int64_t kPanelBytes = int64_t(256) << 10;  // X panel bytes per pass (L2)
+constexpr int64_t kPanelBytes = int64_t(512) << 10;  // X panel bytes per pass (half of a 1 MiB L2)
 constexpr int64_t kMaxPassGroups = 16;               // X groups of 16 rows per pass, at most
 constexpr int64_t kKc = 1024;                        // columns per decoded weight strip (L1)
 constexpr int64_t kMaxBlocks = kKc / 32;             // activation blocks per strip, at most
