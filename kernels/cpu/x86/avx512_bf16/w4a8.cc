@@ -125,6 +125,15 @@ float quantize_block(const T* src, int nv, __m128i* q) {
   return s.sx;
 }
 
+// 128 * the sum of a block's q (nv vectors of 16): what an accumulator that
+// reads the weight as w8 + 128 holds beyond the block's isum (|sum| <= 64 *
+// 127: no overflow).
+inline int32_t sum128(const __m128i* q, int nv) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int i = 0; i < nv; ++i) sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(q[i]));
+  return 128 * _mm512_reduce_add_epi32(sum);
+}
+
 // Rows [r0, r1) of x into the panels.
 template <typename T>
 void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, const Panels& pn) {
@@ -136,9 +145,7 @@ void quantize_rows(const T* x, int64_t r0, int64_t r1, int64_t k, int64_t ba, co
     for (int64_t b = 0; b < pn.nb; ++b) {
       __m128i qv[4];
       pn.sx[(g * pn.nb + b) * 16 + l] = quantize_block(row + b * ba, nv, qv);
-      __m512i sum = _mm512_setzero_si512();
-      for (int i = 0; i < nv; ++i) sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(qv[i]));
-      pn.xc[(g * pn.nb + b) * 16 + l] = -128 * _mm512_reduce_add_epi32(sum);  // |sum| <= 64 * 127
+      pn.xc[(g * pn.nb + b) * 16 + l] = -sum128(qv, nv);
       for (int i = 0; i < nv; ++i) {
         const __m128i q = qv[i];
         int8_t* d = dst + (b * ba / 4 + 4 * i) * 64;
@@ -357,8 +364,9 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
             // row l's nr outputs are lane l of rt[0..nr): gathered, then
             // stored at once (a scalar store per output with its bf16
             // rounding took ~5% of the call at batch 32)
-            const __m512i idx = _mm512_mullo_epi32(
-                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
+            // lane j reads rt[j0 + j][l], 16 floats after rt[j0 + j - 1][l]
+            const __m512i idx =
+                _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
             for (int j0 = 0; j0 < nr; j0 += 16) {  // nr <= kTileAcc = 24
               const int cnt = std::min(16, nr - j0);
               const __mmask16 cols = __mmask16((1u << cnt) - 1);
@@ -401,12 +409,8 @@ void quantize_few(const T* x, int64_t r0, int64_t r1, int64_t k, const FewX& fx)
     for (int64_t b = 0; b < nb; ++b) {
       __m128i qv[4];
       fx.sx[r * nb + b] = quantize_block(x + r * k + b * 64, 4, qv);
-      __m512i sum = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(fx.q + r * k + b * 64 + 16 * i), qv[i]);
-        sum = _mm512_add_epi32(sum, _mm512_cvtepi8_epi32(qv[i]));
-      }
-      fx.corr[r * nb + b] = 128 * _mm512_reduce_add_epi32(sum);  // |sum| <= 64 * 127: no overflow
+      for (int i = 0; i < 4; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(fx.q + r * k + b * 64 + 16 * i), qv[i]);
+      fx.corr[r * nb + b] = sum128(qv, 4);
     }
 }
 
