@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from common import median_ms, print_header, print_table, write_json
+from common import interleaved, median_ms, print_header, print_table, write_json
 
 N = K = 4096
 
@@ -60,23 +60,30 @@ def main() -> dict:
     for m in (1, 8, 32):
         xn = rng.standard_normal((m, K)).astype(np.float32)
         x = jnp.asarray(xn)
-        r = {
-            "q4jax matmul_4bit": median_ms(lambda x=x: jax.block_until_ready(fwd_q4(x))),
-            "q4torch matmul_4bit": median_ms(lambda xn=xn: q4torch.matmul_4bit(torch.from_numpy(xn), pt, st)),
-            "jnp dequantize + dot": median_ms(lambda x=x: jax.block_until_ready(fwd_jnp(x)), repeat=5),
-            "XLA dense fp32": median_ms(lambda x=x: jax.block_until_ready(fwd_dense(x))),
-            "q4jax train step (loss + dX)": median_ms(lambda x=x: jax.block_until_ready(step_q4(x))),
-        }
+        # q4jax and q4torch (and the dense peers) in interleaved rounds: their ratio is the figure to read
+        xb, xbt = x.astype(jnp.bfloat16), torch.from_numpy(xn).to(torch.bfloat16)
+        xt = torch.from_numpy(xn)
+        timed = interleaved(
+            {
+                "q4jax matmul_4bit": lambda x=x: jax.block_until_ready(fwd_q4(x)),
+                "q4torch matmul_4bit": lambda xt=xt: q4torch.matmul_4bit(xt, pt, st),
+                "XLA dense fp32": lambda x=x: jax.block_until_ready(fwd_dense(x)),
+                "q4jax train step (loss + dX)": lambda x=x: jax.block_until_ready(step_q4(x)),
+                # bf16 input: the bf16-compute kernels (README "bf16 compute") in both front ends
+                "q4jax matmul_4bit bf16": lambda xb=xb: jax.block_until_ready(fwd_q4(xb)),
+                "q4torch matmul_4bit bf16": lambda xbt=xbt: q4torch.matmul_4bit(xbt, pt, st),
+                "XLA dense bf16": lambda xb=xb: jax.block_until_ready(fwd_dense_bf16(xb)),
+            },
+            rounds=15,
+            min_sample_s=10e-3,  # ~30 calls per sample at batch 1: the per-call jitter of a VM averages out
+        )
+        r = {name: t["median_ms"] for name, t in timed.items()}
+        r["jnp dequantize + dot"] = median_ms(lambda x=x: jax.block_until_ready(fwd_jnp(x)), repeat=5)
         if qmodel is not None:
             r["qwix 0.1.8 nf4"] = median_ms(lambda x=x: jax.block_until_ready(fwd_qwix(x)), repeat=5)
             r["qwix / q4jax"] = r["qwix 0.1.8 nf4"] / r["q4jax matmul_4bit"]
         r["q4jax / q4torch"] = r["q4jax matmul_4bit"] / r["q4torch matmul_4bit"]
         r["XLA dense / q4jax"] = r["XLA dense fp32"] / r["q4jax matmul_4bit"]
-        # bf16 input: the bf16-compute kernels (README "bf16 compute") in both front ends
-        xb, xbt = x.astype(jnp.bfloat16), torch.from_numpy(xn).to(torch.bfloat16)
-        r["q4jax matmul_4bit bf16"] = median_ms(lambda xb=xb: jax.block_until_ready(fwd_q4(xb)))
-        r["q4torch matmul_4bit bf16"] = median_ms(lambda xbt=xbt: q4torch.matmul_4bit(xbt, pt, st))
-        r["XLA dense bf16"] = median_ms(lambda xb=xb: jax.block_until_ready(fwd_dense_bf16(xb)))
         r["q4jax / q4torch bf16"] = r["q4jax matmul_4bit bf16"] / r["q4torch matmul_4bit bf16"]
         r["XLA dense bf16 / q4jax bf16"] = r["XLA dense bf16"] / r["q4jax matmul_4bit bf16"]
         results[f"batch {m}"] = r
