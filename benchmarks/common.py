@@ -34,24 +34,28 @@ def median_ms(fn: Callable[[], object], repeat: int = 15, warmup: int = 2) -> fl
 
 
 SETTLE_S = 5e-3
+WARM_S = 5e-3
 
 
 def interleaved(
     fns: dict[str, Callable[[], object]],
     rounds: int = 9,
     warmup: int = 2,
-    min_sample_s: float = 2e-3,
+    min_sample_s: float = 5e-3,
 ) -> dict[str, dict]:
     """Time several callables in interleaved rounds.
 
     Each sample of a callable is `calls` back-to-back calls (enough to last
     about `min_sample_s`, so that sub-millisecond calls are not dominated by
-    the timer), reported per call. Before each sample: a 5 ms pause, then one
-    untimed call. The pause lets the previous contestant's thread pool stop
-    spinning (PyTorch's OpenMP team and XLA's pool both spin-wait after an
-    op, and would otherwise steal cores from whoever runs next); the untimed
-    call wakes this contestant's own pool and brings its operands back into
-    cache after the other contestants evicted them. The order is a fresh
+    the timer; and long enough that a VM's wake-up jitter averages out),
+    reported per call. Before each sample: a 5 ms pause, then untimed calls
+    for 5 ms (at least one). The pause lets the previous contestant's thread
+    pool stop spinning (PyTorch's OpenMP team and XLA's pool both spin-wait
+    after an op, and would otherwise steal cores from whoever runs next); the
+    untimed calls wake this contestant's own pool -- and, in a VM, the vCPU
+    the host took back during the pause: with one untimed call, 2 ms samples
+    of a 0.6 ms call measured up to 1.8x its back-to-back time -- and bring its
+    operands back into cache after the other contestants evicted them. The order is a fresh
     permutation each round (seeded, so runs repeat it), so no contestant
     always runs first or after the same neighbour (a rotation would keep the
     cyclic order: each contestant would nearly always follow the same one,
@@ -75,7 +79,10 @@ def interleaved(
         for name in list(names):
             fn, n = fns[name], calls[name]
             time.sleep(SETTLE_S)
+            t0 = time.perf_counter()
             fn()
+            while time.perf_counter() - t0 < WARM_S:
+                fn()
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
