@@ -215,12 +215,15 @@ struct GemvArgs {
 // acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
 // hide the vdpbf16ps latency). W is decoded here (sc[b - b_base] = scale of
 // block b), and also stored into wbuf (row i's chunks at wbuf + i * ldw) for
-// the next x groups (W_STORE), or read from wbuf (W_LOAD).
+// the next x groups (W_STORE), or read from wbuf (W_LOAD). SPC: the blocks'
+// scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0 (larger:
+// several chunks per block).
 enum WMode : int { W_DECODE = 0, W_STORE = 1, W_LOAD = 2 };
 
-template <int R, int M, int H, bool TWO, int MODE>
+template <int R, int M, int H, int SPC, int MODE>
 void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1, const float* sc, int64_t b_base,
                uint16_t* wbuf, int64_t ldw, __m512* acc_mem, int64_t lda) {
+  constexpr bool TWO = SPC == 2;
   const int64_t k = g.k;
   const __m512i half = upper_half_bit();
   __m512 acc[R][M][H];
@@ -228,15 +231,22 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
     for (int j = 0; j < M; ++j)
       for (int h = 0; h < H; ++h) acc[i][j][h] = acc_mem[i * lda + j * H + h];
   const uint16_t* x = g.xq + j0 * k;
-  // W row i's element offset (unsigned: the byte offsets and block indices
-  // below are shifts); the prefetch distance stays inside W for the whole
-  // tile, or the tile does not prefetch (the last row groups)
+  // W row r0 + i at chunk c: its bytes at wb + i * row_bytes and (SPC > 0)
+  // its scales at sb + i * row_scales, both pointers advanced per chunk (k is
+  // a multiple of 64: with blocksize 32 or 64 every row starts a block); with
+  // SPC = 0 the block index is computed per chunk. The prefetch distance
+  // stays inside W for the whole tile, or the tile does not prefetch (the
+  // last row groups).
+  const unsigned shift = unsigned(g.shift);
   uint64_t frow[R];
   for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
+  const int64_t row_bytes = k >> 1, row_scales = SPC > 0 ? k >> shift : 0;
+  const uint8_t* wb = g.packed + ((frow[0] + uint64_t(c0)) >> 1);                   // row r0 at chunk c
+  const float* sb = sc + (((frow[0] + uint64_t(c0)) >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
   const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
+  const int64_t pf_bytes = int64_t(pf_dist >> 1);
   const bool pf = MODE != W_LOAD && frow[R - 1] + pf_dist + uint64_t(c1) <= uint64_t(g.size);
-  const unsigned shift = unsigned(g.shift);
-  for (int64_t c = c0; c < c1; c += kChunk) {
+  for (int64_t c = c0; c < c1; c += kChunk, wb += kChunk / 2, sb += SPC) {
     const bool pf_now = pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
@@ -255,14 +265,14 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
         w[i].hi = _mm512_load_si512(wbuf + i * ldw + (c - c0));
         w[i].lo = _mm512_load_si512(wbuf + i * ldw + (c - c0) + 32);
       } else {
-        const uint64_t f = frow[i] + uint64_t(c);
-        const float* s = sc + ((f >> shift) - uint64_t(b_base));
+        const float* s = SPC > 0 ? sb + i * row_scales : sc + (((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base));
         const __m512i tab = chunk_table<TWO>(g.codes, s[0], TWO ? s[1] : 0.0f);
+        const uint8_t* bytes = wb + i * row_bytes;
         // W is streamed once (from L3 or DRAM): ask for the same chunk of the
         // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
         // the R interleaved row streams), one 64-byte line per two chunks
-        if (pf_now) prefetch_stream(g.packed + ((f + pf_dist) >> 1));
-        w[i] = decode_chunk<TWO>(g.packed + (f >> 1), tab, half);
+        if (pf_now) prefetch_stream(bytes + pf_bytes);
+        w[i] = decode_chunk<TWO>(bytes, tab, half);
         if (MODE == W_STORE) {
           _mm512_store_si512(wbuf + i * ldw + (c - c0), w[i].hi);
           _mm512_store_si512(wbuf + i * ldw + (c - c0) + 32, w[i].lo);
@@ -284,31 +294,32 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
 
 // M x rows (1..4); H = 2 accumulators per output (only when m <= 2, so
 // then M <= 2).
-template <int R, bool TWO, int MODE>
+template <int R, int SPC, int MODE>
 void gemv_tile_m(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1, const float* sc,
                  int64_t b_base, uint16_t* wbuf, int64_t ldw, __m512* acc, int64_t lda) {
   if (H == 2) {
-    if (M == 2) return gemv_tile<R, 2, 2, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-    return gemv_tile<R, 1, 2, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    if (M == 2) return gemv_tile<R, 2, 2, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    return gemv_tile<R, 1, 2, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
   }
   switch (M) {
     case 4:
-      return gemv_tile<R, 4, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 4, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
     case 3:
-      return gemv_tile<R, 3, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 3, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
     case 2:
-      return gemv_tile<R, 2, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 2, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
     default:
-      return gemv_tile<R, 1, 1, TWO, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 1, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
   }
 }
 
-template <int R, bool TWO>
+// W_LOAD decodes nothing: one instantiation serves every SPC.
+template <int R, int SPC>
 void gemv_rows(int mode, int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1,
                const float* sc, int64_t b_base, uint16_t* wbuf, int64_t ldw, __m512* acc, int64_t lda) {
-  if (mode == W_LOAD) return gemv_tile_m<R, TWO, W_LOAD>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-  if (mode == W_STORE) return gemv_tile_m<R, TWO, W_STORE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-  gemv_tile_m<R, TWO, W_DECODE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  if (mode == W_LOAD) return gemv_tile_m<R, 0, W_LOAD>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  if (mode == W_STORE) return gemv_tile_m<R, SPC, W_STORE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+  gemv_tile_m<R, SPC, W_DECODE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
 }
 
 constexpr int kGemvR = 4;                  // W rows per gemv register tile
@@ -320,8 +331,8 @@ constexpr int64_t kGemvXBytes = 16 << 10;  // x bytes per k segment (stays in L1
 // each W row group is decoded by the first group's pass, which also keeps it
 // in an L1 buffer for the others (cheaper than decoding it again). Partial
 // sums are carried in memory between segments as 16-lane vectors, so the
-// sums are those of one pass over k.
-template <typename OutT, typename BiasT, bool TWO>
+// sums are those of one pass over k. SPC: scales per chunk (gemv_tile).
+template <typename OutT, typename BiasT, int SPC>
 void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   // deinterleaved x, one pass (caller's scratch)
@@ -369,10 +380,10 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
             // decoded rows in wbuf for the others)
             const int mode = j0 == 0 ? (buffered ? W_STORE : W_DECODE) : W_LOAD;
             if (rows == kGemvR) {
-              gemv_rows<kGemvR, TWO>(mode, M, H, g, r, j0, c0, c1, sc, b0, wbuf, seg, a + j0 * H, lda);
+              gemv_rows<kGemvR, SPC>(mode, M, H, g, r, j0, c0, c1, sc, b0, wbuf, seg, a + j0 * H, lda);
             } else {
               for (int i = 0; i < rows; ++i)
-                gemv_rows<1, TWO>(mode, M, H, g, r + i, j0, c0, c1, sc, b0, wbuf + i * seg, seg, a + i * lda + j0 * H,
+                gemv_rows<1, SPC>(mode, M, H, g, r + i, j0, c0, c1, sc, b0, wbuf + i * seg, seg, a + i * lda + j0 * H,
                                   lda);
             }
           }
@@ -856,8 +867,9 @@ template <typename OutT, typename BiasT>
 void gemm_typed(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const bool two = p.blocksize == 32;
   if (p.m <= kGemvMaxM) {
-    if (two) return gemv_path<OutT, BiasT, true>(p, scales);
-    return gemv_path<OutT, BiasT, false>(p, scales);
+    if (two) return gemv_path<OutT, BiasT, 2>(p, scales);
+    if (p.blocksize == kChunk) return gemv_path<OutT, BiasT, 1>(p, scales);
+    return gemv_path<OutT, BiasT, 0>(p, scales);
   }
   if (two) return tiled_path<OutT, BiasT, true>(p, scales);
   tiled_path<OutT, BiasT, false>(p, scales);
