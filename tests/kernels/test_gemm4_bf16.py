@@ -81,11 +81,11 @@ def bf16_input(rng, shape, scale=3.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
 
 
-# m covers the gemv path (m <= 18: one pass for m <= 4, else k segments with x
-# groups of <= 4 rows) and the tiled path (panels of 16 rows, partial panels;
-# m <= 32 decodes the next W tile inside the dot products); n and k are not
-# multiples of any tile size (but k % 64 == 0, the kernels' condition).
-BATCHES = (1, 2, 3, 5, 8, 17, 64, 130)
+# m covers the gemv path (m <= 24: one pass for m <= 4, else x groups of <= 4
+# rows, up to the largest) and the tiled path (panels of 16 rows, partial
+# panels; m <= 32 decodes the next W tile inside the dot products); n and k are
+# not multiples of any tile size (but k % 64 == 0, the kernels' condition).
+BATCHES = (1, 2, 3, 5, 8, 17, 24, 25, 64, 130)
 FORMATS = [(qt, nested, bs) for qt in ("nf4", "fp4") for nested in (False, True) for bs in (32, 64, 256, 4096)]
 
 

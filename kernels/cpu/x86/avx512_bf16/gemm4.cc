@@ -29,15 +29,13 @@
 // tile, and nothing is kept across calls.
 //
 // Paths (each output's additions in a fixed order, whatever the threads):
-//   gemv  (m <= kGemvMaxM = 18): x deinterleaved once. W rows are decoded
+//   gemv  (m <= kGemvMaxM = 24): x deinterleaved once. W rows are decoded
 //         chunk by chunk into registers, 4 rows at a time, and dotted with up
 //         to 4 x rows held in registers; each output keeps 16 fp32 lanes of
 //         partial sums (two sets for m <= 2), summed at the end. More x rows:
-//         groups of <= 4 over k segments short enough for all x rows'
-//         segment to stay in L1; the first group's pass also stores the
-//         decoded row group in an L1 buffer read by the other groups; the
-//         lanes are carried in memory between segments (so the sums are
-//         those of one pass). The next row group's bytes are prefetched.
+//         groups of <= 4, each decoding the 4 W rows again (from L1, where
+//         the first group's pass left them). The next row group's bytes are
+//         prefetched.
 //   tiled (m > kGemvMaxM): x packed once into panels of 16 rows ([k/2 pairs]
 //         [16 rows] dwords); tiles of 32 W rows x 256 k decoded into bf16
 //         and reused by every panel in an 8-row x 3-panel register tile (W
@@ -93,7 +91,7 @@ using gemm4::kSlotRow;
 using gemm4::log2_exact;
 
 constexpr int64_t kChunk = 64;          // W elements decoded per step (32 packed bytes)
-constexpr int64_t kGemvMaxM = 18;       // gemv path up to this many rows of x (measured crossover)
+constexpr int64_t kGemvMaxM = 24;       // gemv path up to this many rows of x (measured crossover)
 constexpr int kGemvGroup = 4;           // x rows per pass of the gemv path
 constexpr int kGemvPrefetchGroups = 2;  // gemv: W prefetched this many row groups ahead
 
@@ -220,19 +218,15 @@ struct GemvArgs {
   const uint16_t* xq;  // deinterleaved x rows, [m][k]
 };
 
-// R W rows (from r0) against M deinterleaved x rows (from j0), over columns
-// [c0, c1): the 16-lane partial sums of output (i, j) are carried in
+// R W rows (from r0) against M deinterleaved x rows (from j0), over all k
+// columns: the 16-lane partial sums of output (i, j) are added into
 // acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
-// hide the vdpbf16ps latency). W is decoded here (sc[b - b_base] = scale of
-// block b), and also stored into wbuf (row i's chunks at wbuf + i * ldw) for
-// the next x groups (W_STORE), or read from wbuf (W_LOAD). SPC: the blocks'
-// scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0 (larger:
-// several chunks per block).
-enum WMode : int { W_DECODE = 0, W_STORE = 1, W_LOAD = 2 };
-
-template <int R, int M, int H, int SPC, int MODE>
-void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1, const float* sc, int64_t b_base,
-               uint16_t* wbuf, int64_t ldw, __m512* acc_mem, int64_t lda) {
+// hide the vdpbf16ps latency). sc[b - b_base] = scale of block b. SPC: the
+// blocks' scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0
+// (larger: several chunks per block).
+template <int R, int M, int H, int SPC>
+void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc_mem,
+               int64_t lda) {
   constexpr bool TWO = SPC == 2;
   const int64_t k = g.k;
   const __m512i half = upper_half_bit();
@@ -251,23 +245,23 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
   uint64_t frow[R];
   for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
   const int64_t row_bytes = k >> 1, row_scales = SPC > 0 ? k >> shift : 0;
-  const uint8_t* wb = g.packed + ((frow[0] + uint64_t(c0)) >> 1);                   // row r0 at chunk c
-  const float* sb = sc + (((frow[0] + uint64_t(c0)) >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
+  const uint8_t* wb = g.packed + (frow[0] >> 1);                   // row r0 at chunk c
+  const float* sb = sc + ((frow[0] >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
   const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
   const int64_t pf_bytes = int64_t(pf_dist >> 1);
-  const bool pf = MODE != W_LOAD && frow[R - 1] + pf_dist + uint64_t(c1) <= uint64_t(g.size);
+  const bool pf = frow[R - 1] + pf_dist + uint64_t(k) <= uint64_t(g.size);
   // Blocksize 64: each row's table is made one chunk ahead, and with one x
   // row its bytes are also loaded and widened one chunk ahead, so that the
   // multiply, the conversion and the load are off the path to the chunk's
   // dot products (one thread, 4096^2: batch 1 0.509 -> 0.495 ms, batch 4
   // 1.015 -> 0.962 ms). With more x rows the registers are taken.
-  constexpr bool TAB_AHEAD = SPC == 1 && MODE != W_LOAD, LOAD_AHEAD = TAB_AHEAD && M == 1;
+  constexpr bool TAB_AHEAD = SPC == 1, LOAD_AHEAD = TAB_AHEAD && M == 1;
   __m512i tab_next[R], v_next[R];
   for (int i = 0; i < R; ++i) {
     if (TAB_AHEAD) tab_next[i] = chunk_table<false>(g.codes, sb[i * row_scales], 0.0f);
     if (LOAD_AHEAD) v_next[i] = widen_chunk(wb + i * row_bytes);
   }
-  for (int64_t c = c0; c < c1; c += kChunk, wb += kChunk / 2, sb += SPC) {
+  for (int64_t c = 0; c < k; c += kChunk, wb += kChunk / 2, sb += SPC) {
     const bool pf_now = pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
@@ -282,34 +276,25 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
     Chunk w[R];
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      if (MODE == W_LOAD) {
-        w[i].hi = _mm512_load_si512(wbuf + i * ldw + (c - c0));
-        w[i].lo = _mm512_load_si512(wbuf + i * ldw + (c - c0) + 32);
+      const float* s = SPC > 0 ? sb + i * row_scales : sc + (((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base));
+      const bool more = c + kChunk < k;
+      __m512i tab;
+      if (TAB_AHEAD) {
+        tab = tab_next[i];
+        if (more) tab_next[i] = chunk_table<false>(g.codes, s[1], 0.0f);
       } else {
-        const float* s = SPC > 0 ? sb + i * row_scales : sc + (((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base));
-        const bool more = c + kChunk < c1;
-        __m512i tab;
-        if (TAB_AHEAD) {
-          tab = tab_next[i];
-          if (more) tab_next[i] = chunk_table<false>(g.codes, s[1], 0.0f);
-        } else {
-          tab = chunk_table<TWO>(g.codes, s[0], TWO ? s[1] : 0.0f);
-        }
-        const uint8_t* bytes = wb + i * row_bytes;
-        // W is streamed once (from L3 or DRAM): ask for the same chunk of the
-        // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
-        // the R interleaved row streams), one 64-byte line per two chunks
-        if (pf_now) prefetch_stream(bytes + pf_bytes);
-        if (LOAD_AHEAD) {
-          w[i] = lookup_chunk<false>(v_next[i], tab, half);
-          if (more) v_next[i] = widen_chunk(bytes + kChunk / 2);
-        } else {
-          w[i] = decode_chunk<TWO>(bytes, tab, half);
-        }
-        if (MODE == W_STORE) {
-          _mm512_store_si512(wbuf + i * ldw + (c - c0), w[i].hi);
-          _mm512_store_si512(wbuf + i * ldw + (c - c0) + 32, w[i].lo);
-        }
+        tab = chunk_table<TWO>(g.codes, s[0], TWO ? s[1] : 0.0f);
+      }
+      const uint8_t* bytes = wb + i * row_bytes;
+      // W is streamed once (from L3 or DRAM): ask for the same chunk of the
+      // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
+      // the R interleaved row streams), one 64-byte line per two chunks
+      if (pf_now) prefetch_stream(bytes + pf_bytes);
+      if (LOAD_AHEAD) {
+        w[i] = lookup_chunk<false>(v_next[i], tab, half);
+        if (more) v_next[i] = widen_chunk(bytes + kChunk / 2);
+      } else {
+        w[i] = decode_chunk<TWO>(bytes, tab, half);
       }
     }
 #pragma GCC unroll 8
@@ -327,44 +312,34 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1
 
 // M x rows (1..4); H = 2 accumulators per output (only when m <= 2, so
 // then M <= 2).
-template <int R, int SPC, int MODE>
-void gemv_tile_m(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1, const float* sc,
-                 int64_t b_base, uint16_t* wbuf, int64_t ldw, __m512* acc, int64_t lda) {
+template <int R, int SPC>
+void gemv_rows(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
+               int64_t lda) {
   if (H == 2) {
-    if (M == 2) return gemv_tile<R, 2, 2, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-    return gemv_tile<R, 1, 2, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, r0, j0, sc, b_base, acc, lda);
+    return gemv_tile<R, 1, 2, SPC>(g, r0, j0, sc, b_base, acc, lda);
   }
   switch (M) {
     case 4:
-      return gemv_tile<R, 4, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 4, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
     case 3:
-      return gemv_tile<R, 3, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 3, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
     case 2:
-      return gemv_tile<R, 2, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 2, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
     default:
-      return gemv_tile<R, 1, 1, SPC, MODE>(g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
+      return gemv_tile<R, 1, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
   }
 }
 
-// W_LOAD decodes nothing: one instantiation serves every SPC.
-template <int R, int SPC>
-void gemv_rows(int mode, int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, int64_t c0, int64_t c1,
-               const float* sc, int64_t b_base, uint16_t* wbuf, int64_t ldw, __m512* acc, int64_t lda) {
-  if (mode == W_LOAD) return gemv_tile_m<R, 0, W_LOAD>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-  if (mode == W_STORE) return gemv_tile_m<R, SPC, W_STORE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-  gemv_tile_m<R, SPC, W_DECODE>(M, H, g, r0, j0, c0, c1, sc, b_base, wbuf, ldw, acc, lda);
-}
-
-constexpr int kGemvR = 4;                  // W rows per gemv register tile
-constexpr int64_t kGemvBlockRows = 32;     // W rows whose partial sums are carried between k segments
-constexpr int64_t kGemvXBytes = 16 << 10;  // x bytes per k segment (stays in L1)
+constexpr int kGemvR = 4;               // W rows per gemv register tile
+constexpr int64_t kGemvBlockRows = 32;  // W rows whose scales are decoded at once
 
 // m <= 4: each W row group is decoded into registers and dotted with every x
-// row at once. 4 < m <= kGemvMaxM: x rows in groups of <= 4; per k segment,
-// each W row group is decoded by the first group's pass, which also keeps it
-// in an L1 buffer for the others (cheaper than decoding it again). Partial
-// sums are carried in memory between segments as 16-lane vectors, so the
-// sums are those of one pass over k. SPC: scales per chunk (gemv_tile).
+// row at once. 4 < m <= kGemvMaxM: x rows in groups of <= 4, each group's pass
+// decoding the W row group again from L1. (Decoding it once into an L1 buffer
+// for the other groups, and splitting k into segments whose x rows stay in
+// L1, measured slower: one thread, 4096^2, batch 8 2.28 vs 1.80 ms, batch 16
+// 4.89 vs 3.58.) SPC: scales per chunk (gemv_tile).
 template <typename OutT, typename BiasT, int SPC>
 void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
@@ -384,16 +359,12 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   // x groups of at most 4 rows, as even as possible
   const int groups = int(ceil_div(m, kGemvGroup));
   const int64_t gsize = ceil_div(m, groups);
-  const bool buffered = groups > 1;
   const int H = m <= 2 ? 2 : 1;
   const int64_t lda = m * H;  // vectors per W row in acc
-  // k segments: the x rows' segment stays in L1
-  const int64_t seg = min64(k, max64(kChunk, kGemvXBytes / (2 * m) / kChunk * kChunk));
   parallel_for(ceil_div(n, kGemvR), 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kGemvR, n1 = min64(n, t1 * kGemvR);
     const int64_t sc_count = (((kGemvBlockRows * k) >> g.shift) + 4 + 15) / 16 * 16;
-    float* sc = scratch_as<float>(kSlotRow, sc_count * 4 + kGemvR * seg * 2);
-    uint16_t* wbuf = reinterpret_cast<uint16_t*>(sc + sc_count);
+    float* sc = scratch_as<float>(kSlotRow, sc_count * 4);
     __m512* acc = scratch_as<__m512>(kSlotAcc, kGemvBlockRows * lda * 64);
     float res[kGemvBlockRows * kGemvMaxM];
     for (int64_t rb = n0; rb < n1; rb += kGemvBlockRows) {
@@ -402,23 +373,15 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
       scales.decode(b0, b1, sc);
       if (re < n1) scales.prefetch(b1, ((min64(n1, re + kGemvBlockRows) * k - 1) >> g.shift) + 1);
       for (int64_t i = 0; i < (re - rb) * lda; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t c0 = 0; c0 < k; c0 += seg) {
-        const int64_t c1 = min64(k, c0 + seg);
-        for (int64_t r = rb; r < re; r += kGemvR) {
-          const int rows = int(min64(kGemvR, re - r));
-          __m512* a = acc + (r - rb) * lda;
-          for (int64_t j0 = 0; j0 < m; j0 += gsize) {
-            const int M = int(min64(gsize, m - j0));
-            // the first x group decodes (and, with more groups, keeps the
-            // decoded rows in wbuf for the others)
-            const int mode = j0 == 0 ? (buffered ? W_STORE : W_DECODE) : W_LOAD;
-            if (rows == kGemvR) {
-              gemv_rows<kGemvR, SPC>(mode, M, H, g, r, j0, c0, c1, sc, b0, wbuf, seg, a + j0 * H, lda);
-            } else {
-              for (int i = 0; i < rows; ++i)
-                gemv_rows<1, SPC>(mode, M, H, g, r + i, j0, c0, c1, sc, b0, wbuf + i * seg, seg, a + i * lda + j0 * H,
-                                  lda);
-            }
+      for (int64_t r = rb; r < re; r += kGemvR) {
+        const int rows = int(min64(kGemvR, re - r));
+        __m512* a = acc + (r - rb) * lda;
+        for (int64_t j0 = 0; j0 < m; j0 += gsize) {
+          const int M = int(min64(gsize, m - j0));
+          if (rows == kGemvR) {
+            gemv_rows<kGemvR, SPC>(M, H, g, r, j0, sc, b0, a + j0 * H, lda);
+          } else {
+            for (int i = 0; i < rows; ++i) gemv_rows<1, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda);
           }
         }
       }
