@@ -54,12 +54,13 @@ def interleaved(
     after an op, and would otherwise steal cores from whoever runs next); the
     untimed calls wake this contestant's own pool -- and, in a VM, the vCPU
     the host took back during the pause: with one untimed call, 2 ms samples
-    of a 0.6 ms call measured up to 1.8x its back-to-back time -- and bring its
-    operands back into cache after the other contestants evicted them. The order is a fresh
-    permutation each round (seeded, so runs repeat it), so no contestant
-    always runs first or after the same neighbour (a rotation would keep the
-    cyclic order: each contestant would nearly always follow the same one,
-    e.g. one whose thread pool or cache footprint slows whoever comes next).
+    of a 0.6 ms call measured up to 1.8x its back-to-back time -- and bring
+    its operands back into cache after the other contestants evicted them.
+    The order is a fresh permutation each round (seeded, so runs repeat it),
+    so no contestant always runs first or after the same neighbour (a
+    rotation would keep the cyclic order: each contestant would nearly always
+    follow the same one, e.g. one whose thread pool or cache footprint slows
+    whoever comes next).
     Returns, per name: median_ms, min_ms, calls (per sample), rounds.
     """
     calls = {}

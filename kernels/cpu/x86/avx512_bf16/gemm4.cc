@@ -219,7 +219,7 @@ struct GemvArgs {
 };
 
 // R W rows (from r0) against M deinterleaved x rows (from j0), over all k
-// columns: the 16-lane partial sums of output (i, j) are added into
+// columns: the 16-lane partial sums of output (i, j) are written to
 // acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
 // hide the vdpbf16ps latency). sc[b - b_base] = scale of block b. SPC: the
 // blocks' scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0
@@ -233,7 +233,7 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
   __m512 acc[R][M][H];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j)
-      for (int h = 0; h < H; ++h) acc[i][j][h] = acc_mem[i * lda + j * H + h];
+      for (int h = 0; h < H; ++h) acc[i][j][h] = _mm512_setzero_ps();
   const uint16_t* x = g.xq + j0 * k;
   // W row r0 + i at chunk c: its bytes at wb + i * row_bytes and (SPC > 0)
   // its scales at sb + i * row_scales, both pointers advanced per chunk (k is
@@ -372,7 +372,6 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
       const int64_t b0 = (rb * k) >> g.shift, b1 = ((re * k - 1) >> g.shift) + 1;
       scales.decode(b0, b1, sc);
       if (re < n1) scales.prefetch(b1, ((min64(n1, re + kGemvBlockRows) * k - 1) >> g.shift) + 1);
-      for (int64_t i = 0; i < (re - rb) * lda; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t r = rb; r < re; r += kGemvR) {
         const int rows = int(min64(kGemvR, re - r));
         __m512* a = acc + (r - rb) * lda;
