@@ -1,14 +1,9 @@
 // Prefetch of a weight that is streamed once (from L3 or DRAM), a few row
-// groups or tiles ahead of its use. prefetch_stream: into L2 (T1), not L1
-// (T0). A T0 prefetch holds one of the core's few L1 miss buffers until the
-// line arrives, which caps one core's DRAM rate at ~10 GB/s (Zen 4,
-// measured: batch-1 gemv 8 layers from DRAM 1.25x faster with T1 two row
-// groups ahead than T0 one ahead); the L2 has more, and the L1 refill from L2
-// is short. prefetch_near: T0, for a line that a prefetch_stream further
-// ahead has already asked into L2 (it then holds a miss buffer for an L2 hit's
-// latency only). On Zen 5 the T1 prefetch alone left the batch-1 bf16 gemv
-// at 17 GB/s from DRAM on one core (each demand load waiting for the L2 -> L1
-// refill); T1 four row groups ahead and T0 two ahead: 34 GB/s. Internal
+// groups or tiles ahead of its use: into L2 (T1), not L1 (T0). A T0 prefetch
+// holds one of the core's few L1 miss buffers until the line arrives, which
+// caps one core's DRAM rate at ~10 GB/s (Zen 4, measured: batch-1 gemv 8
+// layers from DRAM 1.25x faster with T1 two row groups ahead than T0 one
+// ahead); the L2 has more, and the L1 refill from L2 is short. Internal
 // linkage: each x86 unit keeps its own copy.
 #pragma once
 
@@ -19,7 +14,6 @@ namespace cpu {
 namespace {
 
 inline void prefetch_stream(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
-inline void prefetch_near(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 }  // namespace
 }  // namespace cpu

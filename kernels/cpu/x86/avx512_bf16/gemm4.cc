@@ -93,8 +93,7 @@ using gemm4::log2_exact;
 constexpr int64_t kChunk = 64;          // W elements decoded per step (32 packed bytes)
 constexpr int64_t kGemvMaxM = 24;       // gemv path up to this many rows of x (measured crossover)
 constexpr int kGemvGroup = 4;           // x rows per pass of the gemv path
-constexpr int kGemvPrefetchGroups = 4;  // gemv: W prefetched into L2 this many row groups ahead
-constexpr int kGemvNearGroups = 2;      // and into L1 this many (x86/prefetch.h)
+constexpr int kGemvPrefetchGroups = 2;  // gemv: W prefetched this many row groups ahead
 
 // ------------------------------------------------------------ small helpers
 
@@ -260,7 +259,7 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
   const uint8_t* wb = g.packed + (frow[0] >> 1);                   // row r0 at chunk c
   const float* sb = sc + ((frow[0] >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
   const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
-  const int64_t pf_bytes = int64_t(pf_dist >> 1), near_bytes = int64_t(kGemvNearGroups * R * k) >> 1;
+  const int64_t pf_bytes = int64_t(pf_dist >> 1);
   const bool pf = frow[R - 1] + pf_dist + uint64_t(k) <= uint64_t(g.size);
   // Blocksize 64: each row's table is made one chunk ahead, and with one x
   // row its bytes are also loaded and widened one chunk ahead, so that the
@@ -308,13 +307,9 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       }
       const uint8_t* bytes = wb + i * row_bytes;
       // W is streamed once (from L3 or DRAM): ask for the same chunk of the
-      // row groups kGemvPrefetchGroups (into L2) and kGemvNearGroups (into
-      // L1) ahead (the hardware prefetchers miss the R interleaved row
-      // streams), one 64-byte line per two chunks
-      if (pf_now) {
-        prefetch_stream(bytes + pf_bytes);
-        prefetch_near(bytes + near_bytes);
-      }
+      // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
+      // the R interleaved row streams), one 64-byte line per two chunks
+      if (pf_now) prefetch_stream(bytes + pf_bytes);
       if (LOAD_AHEAD) {
         w[i] = lookup_chunk<false>(v_next[i], tab, half);
         if (more) v_next[i] = widen_chunk(bytes + kChunk / 2);
