@@ -281,11 +281,8 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
     if (TAB_AHEAD) tab_next[i] = chunk_table<false>(g.codes, sb[i * row_scales], 0.0f);
     if (LOAD_AHEAD) v_next[i] = widen_chunk(wb + i * row_bytes);
   }
-  // One chunk; MORE: not the row's last (the next chunk's table and bytes
-  // are made ahead), PF: prefetch. Both are compile-time in the loops below
-  // (a test per row and chunk cost more than the work it skipped).
-  auto step = [&](int64_t c, auto more_t, auto pf_t) __attribute__((always_inline)) {
-    constexpr bool more = decltype(more_t)::value, pf_now = decltype(pf_t)::value;
+  for (int64_t c = 0; c < k; c += kChunk, wb += kChunk / 2, sb += SPC) {
+    const bool pf_now = pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
     __m512i xe[M], xo[M];
@@ -298,6 +295,7 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float* s = SPC > 0 ? sb + i * row_scales : sc + (((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base));
+      const bool more = c + kChunk < k;
       __m512i tab;
       if (TAB_AHEAD) {
         tab = tab_next[i];
@@ -322,31 +320,6 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) dot_row<M, H>(acc[i], w[i], xe, xo);
     }
-    wb += kChunk / 2;
-    sb += SPC;
-  };
-  using T = std::true_type;
-  using F = std::false_type;
-  int64_t c = 0;
-  if (pf) {
-    for (; c + 2 * kChunk < k; c += 2 * kChunk) {
-      step(c, T{}, T{});
-      step(c + kChunk, T{}, F{});
-    }
-  }
-  // the rest (the last one or two chunks, or all of them in a tile that does
-  // not prefetch), then the last chunk
-  for (; c + kChunk < k; c += kChunk) {
-    if (pf && (c & kChunk) == 0) {
-      step(c, T{}, T{});
-    } else {
-      step(c, T{}, F{});
-    }
-  }
-  if (pf && (c & kChunk) == 0) {
-    step(c, F{}, T{});
-  } else {
-    step(c, F{}, F{});
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j)
