@@ -648,7 +648,7 @@ def _prepared_args(qs: QuantState, B: torch.Tensor):
     if key is not None and hit is not None and hit[0]() is qs and hit[1] == key:
         n, k, scales = hit[2]
         if qs.nested:  # the offset's current value (a tensor never cached)
-            scales = scales[:5] + (float(qs.offset.reshape(()).item()),) + scales[6:]
+            scales = scales[:5] + (float(qs.offset.item()),) + scales[6:]
         return n, k, scales
     check_quant_state(qs, B)
     if len(qs.shape) != 2:

@@ -389,8 +389,10 @@ class Linear4bit(nn.Linear):
         compute = self.compute_dtype if self.compute_dtype is not None else x.dtype
         bias = None if self.bias is None else self.bias.to(compute)  # a copy: the parameter keeps its dtype
         activation_quant = getattr(self, "activation_quant", None)  # (modules unpickled from older versions)
-        y = F.matmul_4bit(x.to(compute), weight, quant_state=quant_state, bias=bias, activation_quant=activation_quant)
-        return y.to(x.dtype)
+        # (no .to() calls when the dtypes already agree: ~0.7 us each, at batch 1 on a small layer a tenth of the call)
+        xc = x if compute == x.dtype else x.to(compute)
+        y = F.matmul_4bit(xc, weight, quant_state=quant_state, bias=bias, activation_quant=activation_quant)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     # -- checkpoints
 

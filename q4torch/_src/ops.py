@@ -299,7 +299,7 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias, act
         formats.check_w4a8_features(k, blocksize)
     bias, b, bcode = _bias_arg(bias, n)
     x2 = x.contiguous()
-    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+    out = x.new_empty(x.shape[:-1] + (n,))  # x's dtype and device (half the cost of torch.empty's keywords)
     K.gemm_4bit_ptr(
         x2.data_ptr(),
         xcode,
