@@ -64,6 +64,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 #include "scale_decoder.h"
+#include "transpose16.h"
 
 namespace q4 {
 namespace cpu {
@@ -382,30 +383,6 @@ void fwd_micro_tail(int q, const float* w, const float* xp, int64_t ldp, int64_t
     return fwd_micro_tail<R, Q - 1>(q, w, xp, ldp, len, c, c_vec, load);
   } else {
     return fwd_micro<R, 1>(w, xp, ldp, len, c, c_vec, load);
-  }
-}
-
-// In-register transpose of 16 x 16 floats: v[j][i] <- v[i][j].
-inline void transpose16(__m512 v[16]) {
-  __m512 t[16], r[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < 4; ++i) {
-      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
-      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    v[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    v[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
   }
 }
 

@@ -78,6 +78,7 @@
 
 #include "../avx512/scale_decoder.h"
 #include "../avx512/store16.h"
+#include "../avx512/transpose16.h"
 
 namespace q4 {
 namespace cpu {
@@ -172,34 +173,6 @@ inline void deinterleave64(const uint16_t* src, __m512i ie, __m512i io, __m512i*
   const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 32);
   *e = _mm512_permutex2var_epi16(a, ie, b);
   *o = _mm512_permutex2var_epi16(a, io, b);
-}
-
-// 16x16 transpose of 32-bit elements held in r[0..15].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // r[4i + j] now holds, in 128-bit lane L, rows 4i..4i+3 of column 4L + j;
-  // two rounds of lane shuffles put column c in r[c].
-  for (int i = 0; i < 2; ++i)
-    for (int j = 0; j < 4; ++j) {
-      const __m512i a = r[8 * i + j], b = r[8 * i + 4 + j];
-      t[8 * i + j] = _mm512_shuffle_i32x4(a, b, 0x88);      // lanes a0 a2 b0 b2
-      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);  // lanes a1 a3 b1 b3
-    }
-  for (int j = 0; j < 8; ++j) {
-    const __m512i a = t[j], b = t[8 + j];
-    r[j] = _mm512_shuffle_i32x4(a, b, 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(a, b, 0xdd);
-  }
 }
 
 template <typename T>
