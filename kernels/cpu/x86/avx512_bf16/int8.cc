@@ -125,7 +125,7 @@ void dots_any(const Int8Dots& d) {
 constexpr int kGemmMR = 6;        // x rows per register tile
 constexpr int kGemmNV = 4;        // zmm of 16 weight rows per register tile
 constexpr int64_t kGemmNB = 64;   // weight rows per panel (kGemmNV * 16)
-constexpr int64_t kGemmKc = 256;  // columns per panel
+constexpr int64_t kGemmKc = 512;  // columns per panel (32 KiB: L1; 256 measured 3-9% slower at batch 512)
 
 // Packs weight rows [j0, j0 + rows) x columns [c0, c0 + len) (len a multiple
 // of 4 past k: zero bytes there) into panel[(t * 64 + r) * 4 + b] = byte b of
