@@ -77,6 +77,11 @@ struct Int8Gemm {
   int64_t m, n, k;
   int32_t* acc;
   int64_t lda;
+  // Called, when not null, by the thread that finished columns [j0, j0 +
+  // cols): acc holds their final sums for all m rows, still in that core's
+  // L2, for the caller's epilogue (which must not start a parallel_for).
+  void (*done)(void* ctx, int64_t j0, int64_t cols) = nullptr;
+  void* ctx = nullptr;
 };
 using Int8GemmFn = bool (*)(const Int8Gemm& g);
 

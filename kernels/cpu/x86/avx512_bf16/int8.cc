@@ -251,6 +251,7 @@ bool int8_gemm(const Int8Gemm& g) {
           gemm_rows<kGemmMR>(mr, g, i0, c0, panel, len / 4, j0, mk, c0 == 0);
         }
       }
+      if (g.done != nullptr) g.done(g.ctx, j0, cols);
     }
   });
   return true;
