@@ -87,7 +87,7 @@ class ScaleDecoder {
           reorder, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_.nested_codes + b))));
       const __mmask32 b6 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(64));
       const __mmask32 b7 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(128));
-      const auto look = [&](const __m512i (&t)[8]) {
+      const auto look = [&](const __m512i(&t)[8]) {
         const __m512i r0 = _mm512_permutex2var_epi16(t[0], q, t[1]), r1 = _mm512_permutex2var_epi16(t[2], q, t[3]);
         const __m512i r2 = _mm512_permutex2var_epi16(t[4], q, t[5]), r3 = _mm512_permutex2var_epi16(t[6], q, t[7]);
         return _mm512_mask_blend_epi16(b7, _mm512_mask_blend_epi16(b6, r0, r1), _mm512_mask_blend_epi16(b6, r2, r3));
