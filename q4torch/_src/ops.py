@@ -25,7 +25,7 @@ def dtype_code(dtype: torch.dtype, what: str) -> int:
 
 
 def _stream(t: torch.Tensor):
-    return torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else None
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
 def _nonempty(t: torch.Tensor, what: str) -> None:
@@ -287,23 +287,31 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias, act
     """q4::gemm_4bit's (activation_quant='int8': q4::gemm_4bit_w4a8's) work for
     a packed weight whose C ABI arguments (packed_ptr, scales from weight_args)
     are already validated: the input checks, the result and the kernel call
-    (CPU, or CUDA on x's stream)."""
-    xcode = dtype_code(x.dtype, "gemm_4bit input")
+    (CPU, or CUDA on x's stream). This is the whole per-call cost of a batch-1
+    eager forward besides the kernel (functional.matmul_4bit calls it
+    directly), so it does no more than it must: ~1 us a line when the weight
+    has just pushed Python's own data out of the caches."""
+    xcode = _DTYPE_CODE.get(x.dtype)
+    if xcode is None:
+        dtype_code(x.dtype, "gemm_4bit input")  # raises
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(
             f"input has {x.shape[-1] if x.dim() else 0} features, the weight expects {k} (weight ({n}, {k}))"
         )
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         raise ValueError(f"empty input (shape {tuple(x.shape)})")
     if activation_quant is not None:
+        formats.check_activation_quant(activation_quant)
         formats.check_w4a8_features(k, blocksize)
     bias, b, bcode = _bias_arg(bias, n)
-    x2 = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     out = x.new_empty(x.shape[:-1] + (n,))  # x's dtype and device (half the cost of torch.empty's keywords)
     K.gemm_4bit_ptr(
-        x2.data_ptr(),
+        x.data_ptr(),
         xcode,
-        x2.numel() // k,
+        numel // k,
         n,
         k,
         packed_ptr,
@@ -314,7 +322,7 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias, act
         bcode,
         out.data_ptr(),
         xcode,
-        _stream(x),
+        _stream(x) if x.is_cuda else None,
         activation_quant,
     )
     return out
