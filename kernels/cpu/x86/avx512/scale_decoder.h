@@ -27,6 +27,12 @@ class ScaleDecoder {
       else
         memcpy(code_, dynamic8::kValues.v, sizeof(code_));
       offset_ = a.nested_offset_ptr ? *a.nested_offset_ptr : a.nested_offset;
+      for (int j = 0; j < 256; ++j) {
+        uint32_t u;
+        memcpy(&u, code_ + j, 4);
+        lo16_[j] = uint16_t(u);
+        hi16_[j] = uint16_t(u >> 16);
+      }
     }
   }
   float one(int64_t b) const {
@@ -51,40 +57,30 @@ class ScaleDecoder {
       return;
     }
     int64_t b = b0;
-    for (; b < b1 && (b & 31) != 0; ++b) out[b - b0] = one(b);
-    // The 256-entry code book as 16-bit halves of its fp32 bit patterns, 8
-    // vectors of 32 words each: a 32-lane lookup of one half is 4 two-table
-    // word permutes (index bits 0-5) and 3 blends (bits 6-7), and the halves
-    // interleave back into 32 fp32 values exactly (a 16-lane fp32 lookup
-    // took 8 permutes and 7 blends per 16 scales, a fifth of a batch-1 bf16
-    // forward at blocksize 64)
+    for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = one(b);
+    // The 256-entry code book as 16-bit halves of its fp32 bit patterns
+    // (made once, in the constructor), 8 vectors of 32 words each: a 32-lane
+    // lookup of one half is 4 two-table word permutes (index bits 0-5) and 3
+    // blends (bits 6-7), and the halves interleave back into 32 fp32 values
+    // exactly (a 16-lane fp32 lookup took 8 permutes and 7 blends per 16
+    // scales, a fifth of a batch-1 bf16 forward at blocksize 64)
     __m512i lo[8], hi[8];
     for (int i = 0; i < 8; ++i) {
-      alignas(64) uint16_t l[32], h[32];
-      for (int j = 0; j < 32; ++j) {
-        uint32_t u;
-        memcpy(&u, code_ + 32 * i + j, 4);
-        l[j] = uint16_t(u);
-        h[j] = uint16_t(u >> 16);
-      }
-      lo[i] = _mm512_load_si512(l);
-      hi[i] = _mm512_load_si512(h);
+      lo[i] = _mm512_load_si512(lo16_ + 32 * i);
+      hi[i] = _mm512_load_si512(hi16_ + 32 * i);
     }
     // codes reordered so that unpacking the halves word by word within each
     // 128-bit lane gives scales 0-15, then 16-31: lane l of the lookup holds
     // codes 4l..4l+3 in words 0-3 and 16+4l..16+4l+3 in words 4-7
-    alignas(64) uint16_t order[32];
-    for (int l = 0; l < 4; ++l)
-      for (int j = 0; j < 4; ++j) {
-        order[8 * l + j] = uint16_t(4 * l + j);
-        order[8 * l + 4 + j] = uint16_t(16 + 4 * l + j);
-      }
-    const __m512i reorder = _mm512_load_si512(order);
+    const __m512i reorder = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8, 23, 22, 21,
+                                             20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
     const __m512 offset = _mm512_set1_ps(offset_);
-    for (; b + 32 <= b1; b += 32) {
-      // 32 consecutive blocks from a multiple of 32 share one absmax2 (block 256)
-      const __m512i q = _mm512_permutexvar_epi16(
-          reorder, _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_.nested_codes + b))));
+    while (b + 16 <= b1) {
+      // 32 blocks when they are there and share one absmax2 (block 256),
+      // else 16 (b is a multiple of 16: 16 blocks always share one)
+      const bool two = b + 32 <= b1 && (b & (kNestedBlocksize - 1)) + 32 <= kNestedBlocksize;
+      const __m256i bytes = _mm256_maskz_loadu_epi8(two ? ~__mmask32(0) : __mmask32(0xffff), a_.nested_codes + b);
+      const __m512i q = _mm512_permutexvar_epi16(reorder, _mm512_cvtepu8_epi16(bytes));
       const __mmask32 b6 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(64));
       const __mmask32 b7 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(128));
       const auto look = [&](const __m512i(&t)[8]) {
@@ -93,11 +89,14 @@ class ScaleDecoder {
         return _mm512_mask_blend_epi16(b7, _mm512_mask_blend_epi16(b6, r0, r1), _mm512_mask_blend_epi16(b6, r2, r3));
       };
       const __m512i l = look(lo), h = look(hi);
-      const __m512 code0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h));
-      const __m512 code1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h));
       const __m512 absmax2 = _mm512_set1_ps(a_.nested_absmax[b / kNestedBlocksize]);
+      const __m512 code0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h));
       _mm512_storeu_ps(out + (b - b0), _mm512_add_ps(_mm512_mul_ps(code0, absmax2), offset));
-      _mm512_storeu_ps(out + (b - b0) + 16, _mm512_add_ps(_mm512_mul_ps(code1, absmax2), offset));
+      if (two) {
+        const __m512 code1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h));
+        _mm512_storeu_ps(out + (b - b0) + 16, _mm512_add_ps(_mm512_mul_ps(code1, absmax2), offset));
+      }
+      b += two ? 32 : 16;
     }
     for (; b < b1; ++b) out[b - b0] = one(b);
   }
@@ -105,6 +104,7 @@ class ScaleDecoder {
  private:
   const Absmax4& a_;
   alignas(64) float code_[256] = {};
+  alignas(64) uint16_t lo16_[256] = {}, hi16_[256] = {};  // code_'s bit patterns, low and high halves
   float offset_ = 0.0f;
 };
 
