@@ -50,14 +50,23 @@ class ScaleDecoder {
         a_.nested() ? reinterpret_cast<const char*>(a_.nested_codes) : reinterpret_cast<const char*>(a_.absmax);
     for (int64_t o = b0 * size; o < b1 * size; o += 64) prefetch_stream(base + o);
   }
-  // scales of blocks [b0, b1) into out[0, b1 - b0)
-  void decode(int64_t b0, int64_t b1, float* out) const {
+  // scales of blocks [b0, b1) into out[0, b1 - b0); with MUL, each times
+  // mult (a second fp32 rounding, as if multiplied after the decode)
+  template <bool MUL = false>
+  void decode(int64_t b0, int64_t b1, float* out, float mult = 1.0f) const {
     if (!a_.nested()) {
-      memcpy(out, a_.absmax + b0, size_t(b1 - b0) * sizeof(float));
+      if (!MUL) {
+        memcpy(out, a_.absmax + b0, size_t(b1 - b0) * sizeof(float));
+        return;
+      }
+      int64_t b = b0;
+      for (; b + 16 <= b1; b += 16)
+        _mm512_storeu_ps(out + (b - b0), _mm512_mul_ps(_mm512_loadu_ps(a_.absmax + b), _mm512_set1_ps(mult)));
+      for (; b < b1; ++b) out[b - b0] = a_.absmax[b] * mult;
       return;
     }
     int64_t b = b0;
-    for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = one(b);
+    for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = MUL ? one(b) * mult : one(b);
     // The 256-entry code book as 16-bit halves of its fp32 bit patterns
     // (made once, in the constructor), 8 vectors of 32 words each: a 32-lane
     // lookup of one half is 4 two-table word permutes (index bits 0-5) and 3
@@ -74,7 +83,8 @@ class ScaleDecoder {
     // codes 4l..4l+3 in words 0-3 and 16+4l..16+4l+3 in words 4-7
     const __m512i reorder = _mm512_set_epi16(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8, 23, 22, 21,
                                              20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-    const __m512 offset = _mm512_set1_ps(offset_);
+    const __m512 offset = _mm512_set1_ps(offset_), mv = _mm512_set1_ps(mult);
+    const auto finish = [&](__m512 v) { return MUL ? _mm512_mul_ps(v, mv) : v; };
     while (b + 16 <= b1) {
       // 32 blocks when they are there and share one absmax2 (block 256),
       // else 16 (b is a multiple of 16: 16 blocks always share one)
@@ -91,14 +101,14 @@ class ScaleDecoder {
       const __m512i l = look(lo), h = look(hi);
       const __m512 absmax2 = _mm512_set1_ps(a_.nested_absmax[b / kNestedBlocksize]);
       const __m512 code0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(l, h));
-      _mm512_storeu_ps(out + (b - b0), _mm512_add_ps(_mm512_mul_ps(code0, absmax2), offset));
+      _mm512_storeu_ps(out + (b - b0), finish(_mm512_add_ps(_mm512_mul_ps(code0, absmax2), offset)));
       if (two) {
         const __m512 code1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(l, h));
-        _mm512_storeu_ps(out + (b - b0) + 16, _mm512_add_ps(_mm512_mul_ps(code1, absmax2), offset));
+        _mm512_storeu_ps(out + (b - b0) + 16, finish(_mm512_add_ps(_mm512_mul_ps(code1, absmax2), offset)));
       }
       b += two ? 32 : 16;
     }
-    for (; b < b1; ++b) out[b - b0] = one(b);
+    for (; b < b1; ++b) out[b - b0] = MUL ? one(b) * mult : one(b);
   }
 
  private:

@@ -237,15 +237,11 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
     const int64_t first = f0 >> shift, last = (f0 + len - 1) >> shift;
     float* sj = sw + j * kMaxBlocks;
     if (p.blocksize == ba) {
-      scales.decode(first, last + 1, sj);  // one block scale per activation block
+      scales.decode<true>(first, last + 1, sj, inv_scale);  // one block scale per activation block
     } else {
-      scales.decode(first, last + 1, block_scales);
+      scales.decode<true>(first, last + 1, block_scales, inv_scale);
       for (int64_t b = 0; b < nb; ++b) sj[b] = block_scales[((f0 + b * ba) >> shift) - first];
     }
-    int64_t b = 0;
-    for (; b + 16 <= nb; b += 16)
-      _mm512_storeu_ps(sj + b, _mm512_mul_ps(_mm512_loadu_ps(sj + b), _mm512_set1_ps(inv_scale)));
-    for (; b < nb; ++b) sj[b] = sj[b] * inv_scale;
   }
 }
 
