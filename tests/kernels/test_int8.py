@@ -405,6 +405,37 @@ def test_flush_denormal_mode_does_not_change_results(rng):
 
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
+def test_block_kernel_special_values_match_scalar(rng, threshold, out_dtype):
+    """Inf, NaN, huge and subnormal rows through the block kernel's vectorized
+    epilogue (NaN, overflow and rounding in every output dtype): the same
+    bytes as the scalar path."""
+    if not q4.cpu_has_avx512_bf16():
+        pytest.skip("not run: the processor lacks avx512_bf16 (AVX512_BF16 + AVX512_VNNI)")
+    m, k, n = 70, 131, 45
+    x = inputs.make(rng, (m, k), "float32", "special")
+    x[2] = inputs.make(rng, (k,), "float32", "tiny")
+    x[4, 7] = np.inf
+    x[5, 9] = np.nan
+    x[6] = rng.standard_normal(k).astype(F32) * np.float32(1e30)  # outputs past the fp16 / bf16 range
+    w, scb = _weight(rng, n, k)
+    bias = rng.standard_normal(n).astype(F32)
+    before = q4.cpu_isa()
+    try:
+        q4.set_cpu_isa("avx512_bf16")
+        with np.errstate(all="ignore"):
+            y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
+        assert q4.cpu_features()["last_kernel"]["int8_linear"] == "avx512_bf16.int8_gemm"
+        q4.set_cpu_isa("scalar")
+        with np.errstate(all="ignore"):
+            y0 = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
+    finally:
+        q4.set_cpu_isa(before)
+    assert np.isnan(inputs.to_f32(y0)).any()
+    assert np.array_equal(inputs.bits(y), inputs.bits(y0))
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
 @pytest.mark.parametrize("m,k,n", [(64, 4, 1), (100, 1001, 77), (300, 515, 130), (1030, 130, 70)])
 def test_block_kernel_matches_scalar(rng, m, k, n, threshold, out_dtype):
     """From 64 x rows the avx512_bf16 level runs the block kernel (int8_gemm,
