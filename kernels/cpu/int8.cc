@@ -827,9 +827,9 @@ Status int8_linear(const Int8LinearParams& p) {
       // each block of columns is finished by the thread that summed it, while
       // its sums are in that core's L2 (a pass over all of acc after the
       // kernel had taken 7% of a batch-512 forward)
-      const LinearCols ctx{&p, &shared, simd, m0, m1, acc};
+      LinearCols ctx{&p, &shared, simd, m0, m1, acc};
       Int8Gemm g{xq + m0 * kp, kp, x_sums.data() + m0, p.weight, m1 - m0, n, k, acc, n};
-      g.ctx = const_cast<LinearCols*>(&ctx);
+      g.ctx = &ctx;
       Q4_DTYPE_SWITCH(p.out_dtype, TO, [&] { g.done = &linear_cols_done<TO>; });
       if (!gemm(g)) return Status::Invalid("int8_gemm refused a call it was chosen for");
     }

@@ -322,7 +322,7 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias, act
         bcode,
         out.data_ptr(),
         xcode,
-        _stream(x) if x.is_cuda else None,
+        _stream(x),
         activation_quant,
     )
     return out
