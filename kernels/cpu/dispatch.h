@@ -113,6 +113,12 @@ struct KernelTable {
 // The table of the active level.
 const KernelTable& kernel_table();
 
+// Whether the AVX-512 units decode nested block scales with AVX512_VBMI byte
+// permutes (x86/avx512/scale_decoder.h): on the avx512_bf16 level when the
+// processor has VBMI. The avx512 level keeps to F, BW and VL. Both decodes
+// give the same bits.
+bool vbmi_scale_decode();
+
 // Ops whose last-run kernel is recorded (for tests and benchmarks).
 enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kW4A8 = 3, kInt8Grad = 4, kCount = 5 };
 void record_kernel(Op op, const char* name);

@@ -133,6 +133,7 @@ void json_chain(std::string& s, const char* op, const char* const* names, int co
 
 namespace cpu {
 const KernelTable& kernel_table() { return table_of(static_cast<Isa>(g_isa.load(std::memory_order_relaxed))); }
+bool vbmi_scale_decode() { return features().avx512_vbmi && g_isa.load(std::memory_order_relaxed) >= kIsaAvx512Bf16; }
 void record_kernel(Op op, const char* name) { g_last[int(op)].store(name, std::memory_order_relaxed); }
 const char* last_kernel(Op op) {
   const char* n = g_last[int(op)].load(std::memory_order_relaxed);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../../dispatch.h"
 #include "../prefetch.h"
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
@@ -20,7 +21,7 @@ namespace {
 
 class ScaleDecoder {
  public:
-  explicit ScaleDecoder(const Absmax4& a) : a_(a) {
+  explicit ScaleDecoder(const Absmax4& a) : a_(a), vbmi_(a.nested() && vbmi_scale_decode()) {
     if (a.nested()) {
       if (a.nested_code)
         memcpy(code_, a.nested_code, sizeof(code_));
@@ -32,6 +33,8 @@ class ScaleDecoder {
         memcpy(&u, code_ + j, 4);
         lo16_[j] = uint16_t(u);
         hi16_[j] = uint16_t(u >> 16);
+        if (vbmi_)
+          for (int q = 0; q < 4; ++q) plane_[q][j] = uint8_t(u >> (8 * q));
       }
     }
   }
@@ -67,6 +70,20 @@ class ScaleDecoder {
     }
     int64_t b = b0;
     for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = MUL ? one(b) * mult : one(b);
+    if (vbmi_) {
+      b = decode_words<MUL>(b0, b, b1, true, out, mult);  // up to a multiple of 64
+      b = decode_bytes<MUL>(b0, b, b1, out, mult);
+    }
+    b = decode_words<MUL>(b0, b, b1, false, out, mult);
+    for (; b < b1; ++b) out[b - b0] = MUL ? one(b) * mult : one(b);
+  }
+
+ private:
+  // decode() from b (a multiple of 16) in steps of 32 or 16 blocks while
+  // whole steps fit before b1 (and, with to64, b is not a multiple of 64);
+  // returns where it stopped.
+  template <bool MUL>
+  int64_t decode_words(int64_t b0, int64_t b, int64_t b1, bool to64, float* out, float mult) const {
     // The 256-entry code book as 16-bit halves of its fp32 bit patterns
     // (made once, in the constructor), 8 vectors of 32 words each: a 32-lane
     // lookup of one half is 4 two-table word permutes (index bits 0-5) and 3
@@ -85,10 +102,11 @@ class ScaleDecoder {
                                              20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
     const __m512 offset = _mm512_set1_ps(offset_), mv = _mm512_set1_ps(mult);
     const auto finish = [&](__m512 v) { return MUL ? _mm512_mul_ps(v, mv) : v; };
-    while (b + 16 <= b1) {
+    while (b + 16 <= b1 && !(to64 && (b & 63) == 0)) {
       // 32 blocks when they are there and share one absmax2 (block 256),
       // else 16 (b is a multiple of 16: 16 blocks always share one)
-      const bool two = b + 32 <= b1 && (b & (kNestedBlocksize - 1)) + 32 <= kNestedBlocksize;
+      const bool two =
+          b + 32 <= b1 && (b & (kNestedBlocksize - 1)) + 32 <= kNestedBlocksize && !(to64 && ((b + 16) & 63) == 0);
       const __m256i bytes = _mm256_maskz_loadu_epi8(two ? ~__mmask32(0) : __mmask32(0xffff), a_.nested_codes + b);
       const __m512i q = _mm512_permutexvar_epi16(reorder, _mm512_cvtepu8_epi16(bytes));
       const __mmask32 b6 = _mm512_test_epi16_mask(q, _mm512_set1_epi16(64));
@@ -108,13 +126,57 @@ class ScaleDecoder {
       }
       b += two ? 32 : 16;
     }
-    for (; b < b1; ++b) out[b - b0] = MUL ? one(b) * mult : one(b);
+    return b;
   }
 
- private:
+  // decode() from b (a multiple of 64) in steps of 64 blocks (which share one
+  // absmax2) while they fit before b1; returns where it stopped. Each byte of
+  // the code book's fp32 bit patterns is looked up on its own: per plane two
+  // two-table byte permutes (index bits 0-6) and a blend (bit 7), then the
+  // four planes interleave back into 64 fp32 values exactly. Against the
+  // word lookup: 0.17 against 0.31 cycles per scale in a microbenchmark on
+  // the Zen 5 VM.
+  template <bool MUL>
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"), noinline)) int64_t decode_bytes(int64_t b0, int64_t b,
+                                                                                                 int64_t b1, float* out,
+                                                                                                 float mult) const {
+    __m512i t[4][4];
+    for (int q = 0; q < 4; ++q)
+      for (int i = 0; i < 4; ++i) t[q][i] = _mm512_load_si512(plane_[q] + 64 * i);
+    // codes reordered so that the interleave below gives scales 0-15, 16-31,
+    // 32-47, 48-63: byte 16l + 4j + u of the lookup is code 16j + 4l + u
+    alignas(64) uint8_t order[64];
+    for (int l = 0; l < 4; ++l)
+      for (int j = 0; j < 4; ++j)
+        for (int u = 0; u < 4; ++u) order[16 * l + 4 * j + u] = uint8_t(16 * j + 4 * l + u);
+    const __m512i reorder = _mm512_load_si512(order);
+    const __m512 offset = _mm512_set1_ps(offset_), mv = _mm512_set1_ps(mult);
+    for (; b + 64 <= b1; b += 64) {
+      const __m512i q = _mm512_permutexvar_epi8(reorder, _mm512_loadu_si512(a_.nested_codes + b));
+      const __mmask64 b7 = _mm512_movepi8_mask(q);
+      __m512i v[4];
+      for (int p = 0; p < 4; ++p)
+        v[p] = _mm512_mask_blend_epi8(b7, _mm512_permutex2var_epi8(t[p][0], q, t[p][1]),
+                                      _mm512_permutex2var_epi8(t[p][2], q, t[p][3]));
+      const __m512i lo01 = _mm512_unpacklo_epi8(v[0], v[1]), hi01 = _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i lo23 = _mm512_unpacklo_epi8(v[2], v[3]), hi23 = _mm512_unpackhi_epi8(v[2], v[3]);
+      const __m512i d[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                            _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+      const __m512 absmax2 = _mm512_set1_ps(a_.nested_absmax[b / kNestedBlocksize]);
+      for (int j = 0; j < 4; ++j) {
+        __m512 s = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(d[j]), absmax2), offset);
+        if (MUL) s = _mm512_mul_ps(s, mv);
+        _mm512_storeu_ps(out + (b - b0) + 16 * j, s);
+      }
+    }
+    return b;
+  }
+
   const Absmax4& a_;
+  const bool vbmi_;  // decode_bytes (vbmi_scale_decode())
   alignas(64) float code_[256] = {};
   alignas(64) uint16_t lo16_[256] = {}, hi16_[256] = {};  // code_'s bit patterns, low and high halves
+  alignas(64) uint8_t plane_[4][256] = {};                // (vbmi_) byte q of each bit pattern
   float offset_ = 0.0f;
 };
 
