@@ -677,6 +677,14 @@ def _prepared_args(qs: QuantState, B: torch.Tensor):
     return args
 
 
+def _plain(t) -> bool:
+    """A tensor with no torch function of its own: torch.Tensor, or an
+    nn.Parameter (or a subclass, such as Int8Params, that keeps Parameter's
+    disabled one)."""
+    tp = type(t)
+    return tp is torch.Tensor or getattr(tp, "__torch_function__", None) is torch._C._disabled_torch_function_impl
+
+
 def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether matmul_4bit may call the CPU kernel directly rather than through
     the q4::gemm_4bit op: eager mode, plain CPU tensors, nothing recording
@@ -688,7 +696,7 @@ def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
         return False
     if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
         return False
-    if bias is not None and (type(bias) is not torch.Tensor or not bias.is_cpu):
+    if bias is not None and (not _plain(bias) or not bias.is_cpu):  # (a layer's bias: an nn.Parameter)
         return False
     return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
 
@@ -831,6 +839,8 @@ def int8_linear(
     """LLM.int8 linear through the fused kernel, differentiable in A and bias:
     y ~= A . (CB * SCB / 127)^T (+ bias); input columns with any |A| >= threshold
     (threshold > 0) go through fp32 unquantized."""
+    if _eager_cpu(A, bias) and _plain(CB) and _plain(SCB) and CB.is_cpu and SCB.is_cpu:
+        return ops.int8_linear_call(A, CB, SCB, float(threshold), bias)  # the op's bytes, without the dispatcher
     return ops.int8_linear(A, CB, SCB, float(threshold), bias)
 
 

@@ -507,6 +507,13 @@ def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, threshold: float, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """LLM.int8 linear: y[..., n] ~= x[..., k] . (CB * SCB / 127)^T (+ bias), x quantized row-wise inside."""
+    return int8_linear_call(x, weight, weight_scale, threshold, bias)
+
+
+def int8_linear_call(x, weight, weight_scale, threshold, bias) -> torch.Tensor:
+    """q4::int8_linear's work: the checks, the result and the kernel call (CPU,
+    or CUDA on x's stream). functional.int8_linear calls it directly in eager
+    mode when nothing records (as matmul_4bit calls gemm_4bit_call)."""
     xcode = dtype_code(x.dtype, "int8_linear input")
     n, k = _int8_weight(weight, weight_scale)
     if x.dim() < 1 or x.shape[-1] != k:

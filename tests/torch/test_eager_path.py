@@ -1,7 +1,8 @@
-"""matmul_4bit's direct CPU call (eager mode, nothing recording): it returns
-the q4::gemm_4bit op's bytes, is taken only where nothing needs the
-dispatcher, and its cache of validated weight arguments never goes stale --
-every change to the weight's bytes, scales or state is seen by the next call.
+"""matmul_4bit's and int8_linear's direct CPU calls (eager mode, nothing
+recording): they return the q4::gemm_4bit / q4::int8_linear op's bytes, are
+taken only where nothing needs the dispatcher, and matmul_4bit's cache of
+validated weight arguments never goes stale -- every change to the weight's
+bytes, scales or state is seen by the next call.
 
 The op's result (the reference here) is what every other path computes and
 what the kernel tests check against the fp64 oracle."""
@@ -14,7 +15,7 @@ from reference import inputs
 
 from q4torch import functional as F
 from q4torch._src import ops
-from q4torch.nn import Linear4bit
+from q4torch.nn import Int8Params, Linear4bit, Linear8bitLt
 
 
 def _weight(rng, n=64, k=256, blocksize=64, nested=True, quant_type="nf4"):
@@ -189,6 +190,25 @@ def test_layer_in_eval_inference_mode_equals_the_op(rng, op_calls):
         assert not torch.equal(layer(x), got)
 
 
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_layer_bias_parameter_takes_the_direct_call_only_without_grad(rng, op_calls, mode):
+    """A layer whose bias needs no conversion passes its nn.Parameter as it
+    is: the direct call takes it (the same bytes as the op) unless autograd
+    needs the bias' gradient."""
+    layer = Linear4bit(256, 64, bias=True, quant_type="nf4", compress_statistics=True)
+    layer.weight.data = torch.from_numpy(inputs.make(rng, (64, 256), "float32"))
+    layer = layer.to("cpu").eval()
+    assert type(layer.bias) is torch.nn.Parameter and layer.bias.requires_grad
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
+    context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
+    with context():
+        got = layer(x)
+    assert len(op_calls) == (1 if mode == "grad" else 0)
+    assert got.requires_grad == (mode == "grad")
+    packed, qs = layer.packed_weight()
+    assert torch.equal(got.detach(), _op(x, packed, qs, layer.bias.detach()))
+
+
 def test_inference_tensors_changed_in_place_are_seen(rng):
     """A weight quantized under inference_mode (tensors without a version
     counter) and changed in place there: every call sees the current values."""
@@ -203,3 +223,54 @@ def test_inference_tensors_changed_in_place_are_seen(rng):
         third = F.matmul_4bit(x, packed.t(), qs)
         assert not torch.equal(first, second) and not torch.equal(second, third)
         assert torch.equal(third, _op(x, packed, qs))
+
+
+@pytest.fixture
+def int8_op_calls(monkeypatch):
+    """Counts calls of the q4::int8_linear op made by int8_linear."""
+    calls = []
+    real = ops.int8_linear
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F.ops, "int8_linear", counting)
+    return calls
+
+
+def _int8_layer(rng, threshold):
+    layer = Linear8bitLt(256, 64, bias=True, has_fp16_weights=False, threshold=threshold)
+    w = torch.from_numpy(inputs.make(rng, (64, 256), "float32"))
+    layer.weight = Int8Params(w, requires_grad=False, has_fp16_weights=False)
+    layer.bias.data = torch.from_numpy(inputs.make(rng, (64,), "float32"))
+    return layer.to("cpu").eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threshold", [0.0, 1.5])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+def test_int8_layer_direct_call_gives_the_op_bytes(rng, int8_op_calls, dtype, threshold, mode):
+    """Linear8bitLt passes its Int8Params, SCB and nn.Parameter bias as they
+    are: without autograd the direct call runs (the op's bytes, outlier
+    columns included); with the bias' gradient needed, the op."""
+    layer = _int8_layer(rng, threshold)
+    x = torch.from_numpy(inputs.make(rng, (5, 256), "float32")).to(dtype)
+    x[:, 7] = 3.0  # an outlier column at threshold 1.5
+    context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
+    with context():
+        got = layer(x)
+    assert len(int8_op_calls) == (1 if mode == "grad" else 0)
+    want = torch.ops.q4.int8_linear(x, layer.weight.detach(), layer.weight.SCB, threshold, layer.bias.detach())
+    assert got.dtype == want.dtype and torch.equal(got.detach(), want)
+
+
+def test_int8_direct_call_refuses_bad_inputs(rng):
+    layer = _int8_layer(rng, 0.0)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="255 features"):
+            layer(torch.zeros(1, 255))
+        with pytest.raises(TypeError, match="int32"):
+            F.int8_linear(torch.zeros(1, 256, dtype=torch.int32), layer.weight, layer.weight.SCB)
+        with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
+            F.int8_linear(torch.zeros(1, 256), layer.weight, layer.weight.SCB, bias=torch.zeros(63))
