@@ -14,6 +14,7 @@ the int8 oracle and bitsandbytes 0.50.2.
 import numpy as np
 import pytest
 import torch
+from conftest import on_isa
 from reference import inputs
 from reference import int8_oracle as oracle
 
@@ -403,14 +404,23 @@ def test_flush_denormal_mode_does_not_change_results(rng):
     assert np.array_equal(inputs.bits(want[-1]), inputs.bits(oracle.grad_input_f32(dy, w, tiny_scb)))
 
 
+def _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype):
+    """int8_linear on the avx512_bf16 level (checked to run the block kernel;
+    not run where the processor lacks the level) and on the scalar path."""
+    with on_isa("avx512_bf16"):
+        y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
+        assert q4.cpu_features()["last_kernel"]["int8_linear"] == "avx512_bf16.int8_gemm"
+    with on_isa("scalar"):
+        y0 = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
+    return y, y0
+
+
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
 def test_block_kernel_special_values_match_scalar(rng, threshold, out_dtype):
     """Inf, NaN, huge and subnormal rows through the block kernel's vectorized
     epilogue (NaN, overflow and rounding in every output dtype): the same
     bytes as the scalar path."""
-    if not q4.cpu_has_avx512_bf16():
-        pytest.skip("not run: the processor lacks avx512_bf16 (AVX512_BF16 + AVX512_VNNI)")
     m, k, n = 70, 131, 45
     x = inputs.make(rng, (m, k), "float32", "special")
     x[2] = inputs.make(rng, (k,), "float32", "tiny")
@@ -419,17 +429,8 @@ def test_block_kernel_special_values_match_scalar(rng, threshold, out_dtype):
     x[6] = rng.standard_normal(k).astype(F32) * np.float32(1e30)  # outputs past the fp16 / bf16 range
     w, scb = _weight(rng, n, k)
     bias = rng.standard_normal(n).astype(F32)
-    before = q4.cpu_isa()
-    try:
-        q4.set_cpu_isa("avx512_bf16")
-        with np.errstate(all="ignore"):
-            y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
-        assert q4.cpu_features()["last_kernel"]["int8_linear"] == "avx512_bf16.int8_gemm"
-        q4.set_cpu_isa("scalar")
-        with np.errstate(all="ignore"):
-            y0 = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
-    finally:
-        q4.set_cpu_isa(before)
+    with np.errstate(all="ignore"):
+        y, y0 = _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype)
     assert np.isnan(inputs.to_f32(y0)).any()
     assert np.array_equal(inputs.bits(y), inputs.bits(y0))
 
@@ -443,21 +444,11 @@ def test_block_kernel_matches_scalar(rng, m, k, n, threshold, out_dtype):
     block of columns finished by the thread that summed it, with the
     vectorized epilogue): the same bytes as the scalar path and as the
     oracle."""
-    if not q4.cpu_has_avx512_bf16():
-        pytest.skip("not run: the processor lacks avx512_bf16 (AVX512_BF16 + AVX512_VNNI)")
     x = _activations(rng, (m, k), "bfloat16", outlier_cols=(0, k - 1) if k > 1 else ())
     w, scb = _weight(rng, n, k)
     w[0, :] = -128
     bias = rng.standard_normal(n).astype(F32)
-    before = q4.cpu_isa()
-    try:
-        q4.set_cpu_isa("avx512_bf16")
-        y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
-        assert q4.cpu_features()["last_kernel"]["int8_linear"] == "avx512_bf16.int8_gemm"
-        q4.set_cpu_isa("scalar")
-        y0 = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
-    finally:
-        q4.set_cpu_isa(before)
+    y, y0 = _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype)
     assert np.array_equal(inputs.bits(y), inputs.bits(y0))
     if out_dtype == "float32":
         ref = oracle.linear_f32(inputs.to_f32(x), w, scb, threshold, bias)

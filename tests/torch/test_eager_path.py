@@ -41,18 +41,27 @@ def _op(x, packed, qs, bias=None):
     )
 
 
-@pytest.fixture
-def op_calls(monkeypatch):
-    """Counts calls of the q4::gemm_4bit op made by matmul_4bit."""
+def _count_calls(monkeypatch, name):
+    """Counts calls of the op ops.<name> made through functional."""
     calls = []
-    real = ops.gemm_4bit
+    real = getattr(ops, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(F.ops, "gemm_4bit", counting)
+    monkeypatch.setattr(F.ops, name, counting)
     return calls
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts calls of the q4::gemm_4bit op made by matmul_4bit."""
+    return _count_calls(monkeypatch, "gemm_4bit")
+
+
+# the autograd modes a layer runs in: only "grad" records
+MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -190,7 +199,7 @@ def test_layer_in_eval_inference_mode_equals_the_op(rng, op_calls):
         assert not torch.equal(layer(x), got)
 
 
-@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_layer_bias_parameter_takes_the_direct_call_only_without_grad(rng, op_calls, mode):
     """A layer whose bias needs no conversion passes its nn.Parameter as it
     is: the direct call takes it (the same bytes as the op) unless autograd
@@ -200,8 +209,7 @@ def test_layer_bias_parameter_takes_the_direct_call_only_without_grad(rng, op_ca
     layer = layer.to("cpu").eval()
     assert type(layer.bias) is torch.nn.Parameter and layer.bias.requires_grad
     x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
-    context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
-    with context():
+    with MODES[mode]():
         got = layer(x)
     assert len(op_calls) == (1 if mode == "grad" else 0)
     assert got.requires_grad == (mode == "grad")
@@ -228,15 +236,7 @@ def test_inference_tensors_changed_in_place_are_seen(rng):
 @pytest.fixture
 def int8_op_calls(monkeypatch):
     """Counts calls of the q4::int8_linear op made by int8_linear."""
-    calls = []
-    real = ops.int8_linear
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(F.ops, "int8_linear", counting)
-    return calls
+    return _count_calls(monkeypatch, "int8_linear")
 
 
 def _int8_layer(rng, threshold):
@@ -249,7 +249,7 @@ def _int8_layer(rng, threshold):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threshold", [0.0, 1.5])
-@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_int8_layer_direct_call_gives_the_op_bytes(rng, int8_op_calls, dtype, threshold, mode):
     """Linear8bitLt passes its Int8Params, SCB and nn.Parameter bias as they
     are: without autograd the direct call runs (the op's bytes, outlier
@@ -257,8 +257,7 @@ def test_int8_layer_direct_call_gives_the_op_bytes(rng, int8_op_calls, dtype, th
     layer = _int8_layer(rng, threshold)
     x = torch.from_numpy(inputs.make(rng, (5, 256), "float32")).to(dtype)
     x[:, 7] = 3.0  # an outlier column at threshold 1.5
-    context = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "grad": torch.enable_grad}[mode]
-    with context():
+    with MODES[mode]():
         got = layer(x)
     assert len(int8_op_calls) == (1 if mode == "grad" else 0)
     want = torch.ops.q4.int8_linear(x, layer.weight.detach(), layer.weight.SCB, threshold, layer.bias.detach())
