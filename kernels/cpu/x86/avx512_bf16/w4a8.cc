@@ -61,7 +61,6 @@ using gemm4::Scales;
 constexpr int64_t kPanelBytes = int64_t(512) << 10;  // X panel bytes per pass (half of a 1 MiB L2)
 constexpr int64_t kMaxPassGroups = 16;               // X groups of 16 rows per pass, at most
 constexpr int64_t kKc = 1024;                        // columns per decoded weight strip (L1)
-constexpr int64_t kMaxBlocks = kKc / 32;             // activation blocks per strip, at most
 constexpr int kTileAcc = 24;                         // int32 accumulators per register tile
 
 template <typename T>
@@ -189,20 +188,36 @@ inline __m512i half_sums8(const __m512i* v) {
   return lane_pairs(a, b);
 }
 
+// sw [rows][k / ba] of weight rows [n0, n0 + rows): the scale of each
+// activation block (its weight block's scale) * fp32(1 / S), decoded for the
+// whole row chunk at once (one call per strip and row took ~10% of a batch-32
+// call: the decoder's tables load per call); block_scales: room for
+// rows * k / blocksize + 2 floats.
+template <QuantType QT>
+void decode_chunk_scales(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0, int rows, int64_t ba,
+                         float* sw, float* block_scales) {
+  const int64_t k = p.k, nbk = k / ba;
+  const int shift = log2_exact(p.blocksize);
+  const int64_t first = (n0 * k) >> shift, end = (((n0 + rows) * k - 1) >> shift) + 1;
+  if (p.blocksize == ba) {  // one weight block per activation block, in the same order
+    scales.decode<true>(first, end, sw, w4a8::inv_table_scale<QT>());
+    return;
+  }
+  scales.decode<true>(first, end, block_scales, w4a8::inv_table_scale<QT>());
+  for (int j = 0; j < rows; ++j)
+    for (int64_t b = 0; b < nbk; ++b) sw[j * nbk + b] = block_scales[(((n0 + j) * k + b * ba) >> shift) - first];
+}
+
 // Decodes columns [c0, c0 + len) of weight rows [n0, n0 + rows) (c0 and len
 // multiples of ba, len <= kKc) into w8 [rows][kKc] (unsigned table values
-// w8 + 128) and sw [rows][kKc / 32] (block scale / S, one per activation
-// block); block_scales: room for kKc / 32 + 2 floats.
+// w8 + 128).
 template <QuantType QT>
-void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0, int rows, int64_t c0, int64_t len,
-                 int64_t ba, uint8_t* w8, float* sw, float* block_scales) {
+void decode_rows(const Gemm4bitParams& p, int64_t n0, int rows, int64_t c0, int64_t len, int64_t ba, uint8_t* w8) {
   alignas(16) uint8_t t8[16];
   for (int i = 0; i < 16; ++i) t8[i] = uint8_t(w4a8::table8<QT>(i) + 128);
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const int64_t k = p.k, nb = len / ba;
-  const int shift = log2_exact(p.blocksize);
-  const float inv_scale = w4a8::inv_table_scale<QT>();
+  const int64_t k = p.k;
   for (int j = 0; j < rows; ++j) {
     const int64_t f0 = (n0 + j) * k + c0;  // even: k and c0 are
     const uint8_t* src = p.packed + f0 / 2;
@@ -233,21 +248,13 @@ void decode_rows(const Gemm4bitParams& p, const ScaleDecoder& scales, int64_t n0
       _mm512_store_si512(dst + 128 * c, w0);
       _mm512_store_si512(dst + 128 * c + 64, w1);
     }
-    // sw: the blocks' scales (decoded 16 at a time), one per activation block, * fp32(1 / S)
-    const int64_t first = f0 >> shift, last = (f0 + len - 1) >> shift;
-    float* sj = sw + j * kMaxBlocks;
-    if (p.blocksize == ba) {
-      scales.decode<true>(first, last + 1, sj, inv_scale);  // one block scale per activation block
-    } else {
-      scales.decode<true>(first, last + 1, block_scales, inv_scale);
-      for (int64_t b = 0; b < nb; ++b) sj[b] = block_scales[((f0 + b * ba) >> shift) - first];
-    }
   }
 }
 
 struct Strip {  // a decoded strip of weight rows (decode_rows)
   const uint8_t* w8;
-  const float* sw;
+  const float* sw;  // sw[j * sw_row + b]: strip row j, block b (decode_chunk_scales)
+  int64_t sw_row;
   int64_t t0;      // first step (4 columns) of the strip in X's panels
   int64_t b0;      // first activation block of the strip
   int64_t nb;      // activation blocks in the strip
@@ -290,7 +297,7 @@ void tile(const Panels& pn, int64_t g0, const Strip& w, float (*res)[16]) {
       const __m512 sxv = _mm512_loadu_ps(pn.sx + ((g0 + g) * pn.nb + w.b0 + b) * 16);
 #pragma GCC unroll 24
       for (int j = 0; j < NR; ++j) {
-        const __m512 s = _mm512_mul_ps(sxv, _mm512_set1_ps(w.sw[j * kMaxBlocks + b]));
+        const __m512 s = _mm512_mul_ps(sxv, _mm512_set1_ps(w.sw[j * w.sw_row + b]));
         float* r = res[g * NR + j];
         _mm512_store_ps(r, _mm512_add_ps(_mm512_load_ps(r), _mm512_mul_ps(_mm512_cvtepi32_ps(acc[g][j]), s)));
       }
@@ -316,18 +323,18 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
       std::max<int64_t>(mr, std::min<int64_t>(kMaxPassGroups, kPanelBytes / (pn.steps * 64)) / mr * mr);
   parallel_for(chunks, 1, [&](int64_t c0, int64_t c1) {
     const ScaleDecoder scales(p.scales);
-    // per thread: the strip (w8, sw), block scales, the pass's fp32 sums
-    const int64_t strip_bytes = kTileAcc * (kKc + 4 * kMaxBlocks);
-    char* buf =
-        aligned_scratch<char>(kSlotRow, strip_bytes + 4 * (kMaxBlocks + 2) + 4 * kMaxPassGroups * kTileAcc * 16 + 128);
-    uint8_t* w8 = reinterpret_cast<uint8_t*>(buf);
-    float* sw = reinterpret_cast<float*>(buf + kTileAcc * kKc);
-    float* block_scales = sw + kTileAcc * kMaxBlocks;
-    auto* res = reinterpret_cast<float (*)[16]>((reinterpret_cast<uintptr_t>(block_scales + kMaxBlocks + 2) + 63) &
-                                                ~uintptr_t(63));
+    // per thread: the pass's fp32 sums, the strip (w8), the chunk's scales
+    // (sw) and its weight blocks' scales
+    const int64_t nbk = p.k / ba, chunk_blocks = kTileAcc * p.k / p.blocksize + 2;
+    char* buf = aligned_scratch<char>(
+        kSlotRow, 4 * kMaxPassGroups * kTileAcc * 16 + kTileAcc * kKc + 4 * (kTileAcc * nbk + chunk_blocks) + 128);
+    auto* res = reinterpret_cast<float (*)[16]>(buf);
+    uint8_t* w8 = reinterpret_cast<uint8_t*>(buf + 4 * kMaxPassGroups * kTileAcc * 16);
+    float* sw = reinterpret_cast<float*>(w8 + kTileAcc * kKc);
+    float* block_scales = sw + kTileAcc * nbk;
     Strip w;
     w.w8 = w8;
-    w.sw = sw;
+    w.sw_row = nbk;
     w.bsteps = ba / 4;
     for (int64_t gb = 0; gb < pn.groups; gb += per_pass) {
       const int64_t ge = std::min(pn.groups, gb + per_pass);
@@ -335,9 +342,11 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
         const int64_t n0 = c * nr_max;
         const int nr = int(std::min<int64_t>(nr_max, p.n - n0));
         std::memset(res, 0, size_t((ge - gb) * kTileAcc * 16) * sizeof(float));
+        decode_chunk_scales<QT>(p, scales, n0, nr, ba, sw, block_scales);
         for (int64_t k0 = 0; k0 < p.k; k0 += kKc) {
           const int64_t len = std::min(kKc, p.k - k0);
-          decode_rows<QT>(p, scales, n0, nr, k0, len, ba, w8, sw, block_scales);
+          decode_rows<QT>(p, n0, nr, k0, len, ba, w8);
+          w.sw = sw + k0 / ba;
           w.t0 = k0 / 4;
           w.b0 = k0 / ba;
           w.nb = len / ba;
