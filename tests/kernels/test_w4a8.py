@@ -49,8 +49,9 @@ def run(x, packed, state, bias=None, out_dtype=None):
 # (m, n, k, blocksize): both paths of the VNNI kernel -- few rows (m <= 6,
 # 64-column activation blocks: 16 weight rows at a time) and tiles (rows in
 # groups of 16, tiles of 1 or 2 groups by 24 or 12 weight rows, strips of 1024
-# columns) -- with their tails, activation blocks of 32 and 64, weight blocks
-# straddling rows
+# columns, each row chunk's scales decoded once for all its strips) -- with
+# their tails, activation blocks of 32 and 64 (each over several strips),
+# weight blocks straddling rows
 SHAPES = [
     (1, 7, 64, 64),
     (3, 25, 128, 64),
@@ -60,6 +61,7 @@ SHAPES = [
     (17, 13, 96, 32),
     (33, 50, 1088, 64),
     (40, 19, 160, 32),
+    (20, 30, 1120, 32),
     (64, 37, 2048, 128),
     (70, 12, 448, 4096),
 ]
