@@ -47,13 +47,16 @@ def run(x, packed, state, bias=None, out_dtype=None):
 
 
 # (m, n, k, blocksize): both paths of the VNNI kernel -- few rows (m <= 6,
-# 64-column activation blocks: 16 weight rows at a time) and tiles (rows in
+# 64-column activation blocks: 16 weight rows at a time, decoded in registers
+# for one X row) and tiles (rows in
 # groups of 16, tiles of 1 or 2 groups by 24 or 12 weight rows, strips of 1024
 # columns, each row chunk's scales decoded once for all its strips) -- with
 # their tails, activation blocks of 32 and 64 (each over several strips),
 # weight blocks straddling rows
 SHAPES = [
     (1, 7, 64, 64),
+    (1, 40, 1088, 64),
+    (1, 33, 384, 256),
     (3, 25, 128, 64),
     (6, 40, 384, 256),
     (2, 33, 1088, 128),
@@ -84,7 +87,7 @@ def test_matches_oracle(level, shape, quant_type, nested, rng):
 @pytest.mark.parametrize("level", ["scalar", "avx512_bf16"])
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("m", [2, 21])
+@pytest.mark.parametrize("m", [1, 2, 21])
 def test_dtypes(level, x_dtype, out_dtype, m, rng):
     packed, state, _ = quantized_weight(rng, 30, 256, 64, "nf4", True)
     x = rng.standard_normal((m, 256)).astype(NP_DTYPE[x_dtype])
@@ -127,6 +130,28 @@ def test_special_values(level, m, rng):
     assert np.isnan(got[0]).all() and np.isnan(got[1]).all()
     assert same_bytes(got[2], bias)
     assert same_bytes(got, expected(x, packed, state, bias, "float32"))
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx512_bf16"])
+def test_special_values_one_row(level, rng):
+    """The same cases one X row at a time (the one-row path)."""
+    packed, state, _ = quantized_weight(rng, 20, 128, 64, "nf4", False)
+    bias = rng.standard_normal(20).astype(np.float32)
+    rows = rng.standard_normal((5, 128)).astype(np.float32)
+    rows[0, 5] = np.nan
+    rows[1, 70] = -np.inf
+    rows[2] = 0.0
+    rows[3, :64] = 1e-38
+    rows[4, 64:] = -3e-39
+    for i in range(5):
+        x = rows[i : i + 1]
+        with on_isa(level):
+            got = run(x, packed, state, bias)
+        if i < 2:
+            assert np.isnan(got).all()
+        if i == 2:
+            assert same_bytes(got[0], bias)
+        assert same_bytes(got, expected(x, packed, state, bias, "float32"))
 
 
 def test_accuracy(rng):

@@ -453,7 +453,38 @@ void run_few(const Gemm4bitParams& p, const FewX& fx, const float* bias) {
       for (int i = rows; i < 16; ++i) _mm512_store_si512(wbuf + 64 * i, _mm512_setzero_si512());
       const uint8_t* rowp[16];
       for (int i = 0; i < rows; ++i) rowp[i] = p.packed + (n0 + i) * k / 2;
-      for (int64_t b = 0; b < nb; ++b) {
+      if (p.m == 1 && rows == 16) {
+        // One X row: each weight row's block is decoded in a register and
+        // used at once (no buffer), its 32 bytes loaded into both halves of
+        // a vector: the high nibbles of the lower copy (even columns) and
+        // the low ones of the upper copy (odd columns) in one shift, mask and
+        // lookup; the fp32 sums stay in a register. Same operations on the
+        // same values as below, so the same bits.
+        const __m512i table64 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(table));
+        const __m512i low4x = _mm512_set1_epi8(0x0f);
+        const __m512i even_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          if ((b & 1) == 0 && b + kFewAhead < nb)
+            for (int i = 0; i < 16; ++i)
+              _mm_prefetch(reinterpret_cast<const char*>(rowp[i] + (b + kFewAhead) * 32), _MM_HINT_T0);
+          const __m512i xv = _mm512_loadu_si512(fx.q + b * 64);
+          __m512i v[16];
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {
+            const __m512i a =
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + b * 32)));
+            const __m512i w = _mm512_shuffle_epi8(table64, _mm512_and_si512(_mm512_srlv_epi16(a, even_shift), low4x));
+            v[i] = dpbusd(_mm512_setzero_si512(), w, xv);
+          }
+          const __m512i total = lane_pairs(half_sums8(v), half_sums8(v + 8));  // lane i: weight row n0 + i
+          const __m512i isum = _mm512_sub_epi32(total, _mm512_set1_epi32(fx.corr[b]));
+          const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(fx.sx[b]), _mm512_loadu_ps(swc + b * 16));
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sc));
+        }
+        _mm512_store_ps(accs, acc);
+      }
+      for (int64_t b = 0; b < nb && !(p.m == 1 && rows == 16); ++b) {
         // 16 interleaved row streams: fetched 16 blocks (8 lines) ahead of use
         if ((b & 1) == 0 && b + kFewAhead < nb)
           for (int i = 0; i < rows; ++i)
