@@ -48,7 +48,7 @@ def run(x, packed, state, bias=None, out_dtype=None):
 
 # (m, n, k, blocksize): both paths of the VNNI kernel -- few rows (m <= 6,
 # 64-column activation blocks: 16 weight rows at a time, decoded in registers
-# for one X row) and tiles (rows in
+# in passes of 16, 8 or 4 by the number of X rows) and tiles (rows in
 # groups of 16, tiles of 1 or 2 groups by 24 or 12 weight rows, strips of 1024
 # columns, each row chunk's scales decoded once for all its strips) -- with
 # their tails, activation blocks of 32 and 64 (each over several strips),
@@ -58,6 +58,8 @@ SHAPES = [
     (1, 40, 1088, 64),
     (1, 33, 384, 256),
     (3, 25, 128, 64),
+    (4, 48, 256, 64),
+    (5, 17, 640, 128),
     (6, 40, 384, 256),
     (2, 33, 1088, 128),
     (16, 24, 384, 256),

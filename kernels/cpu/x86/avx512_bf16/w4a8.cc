@@ -419,6 +419,75 @@ void quantize_few(const T* x, int64_t r0, int64_t r1, int64_t k, const FewX& fx)
     }
 }
 
+// A full group of 16 weight rows is decoded in registers, each row's block used at once by every X row (no
+// buffer): its 32 bytes loaded into both halves of a vector, one variable
+// shift (the high nibbles of the lower copy: even columns), a mask and one
+// lookup give the block in strip order. One X row takes the 16 rows in one
+// pass (16 accumulators), two or three in two passes of 8, four to six in
+// four passes of 4 (at most 24), and the passes' lane sums are joined. The same operations on the same values as the
+// buffered loop in run_few, so the same bits. table: the w8 + 128 values in
+// each 128-bit lane.
+template <int M>
+void few_rows_in_registers(const uint8_t* const* rowp, int64_t nb, const FewX& fx, const float* swc, __m512i table,
+                           float* accs) {
+  constexpr int kPass = M == 1 ? 16 : M <= 3 ? 8 : 4;  // weight rows per pass (M * kPass accumulators)
+  const int64_t k = nb * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i even_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    // 16 interleaved row streams: fetched 16 blocks (8 lines) ahead of use
+    if ((b & 1) == 0 && b + kFewAhead < nb)
+      for (int i = 0; i < 16; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(rowp[i] + (b + kFewAhead) * 32), _MM_HINT_T0);
+    __m512i xv[M];
+    for (int r = 0; r < M; ++r) xv[r] = _mm512_loadu_si512(fx.q + r * k + b * 64);
+    __m512i part[4][M];  // (M > 1) each pass's lane sums
+    __m512i total[M];
+    for (int pass = 0; pass < 16 / kPass; ++pass) {
+      __m512i v[M][kPass];
+#pragma GCC unroll 16
+      for (int i = 0; i < kPass; ++i) {
+        const __m512i a = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[pass * kPass + i] + b * 32)));
+        const __m512i w = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srlv_epi16(a, even_shift), low4));
+        for (int r = 0; r < M; ++r) v[r][i] = dpbusd(_mm512_setzero_si512(), w, xv[r]);
+      }
+      // lane i of total: weight row n0 + i (half_sums8 of 8 vectors is
+      // lane_pairs of the quad sums of each 4)
+      for (int r = 0; r < M; ++r) {
+        if constexpr (kPass == 16)
+          total[r] = lane_pairs(half_sums8(v[r]), half_sums8(v[r] + 8));
+        else if constexpr (kPass == 8)
+          part[pass][r] = half_sums8(v[r]);
+        else
+          part[pass][r] = quad_sums(pair_sums(v[r][0], v[r][1]), pair_sums(v[r][2], v[r][3]));
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      if constexpr (kPass == 8) total[r] = lane_pairs(part[0][r], part[1][r]);
+      if constexpr (kPass == 4)
+        total[r] = lane_pairs(lane_pairs(part[0][r], part[1][r]), lane_pairs(part[2][r], part[3][r]));
+      const __m512i isum = _mm512_sub_epi32(total[r], _mm512_set1_epi32(fx.corr[r * nb + b]));
+      const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(fx.sx[r * nb + b]), _mm512_loadu_ps(swc + b * 16));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sc));
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm512_store_ps(accs + 16 * r, acc[r]);
+}
+
+inline void few_rows_in_registers(int m, const uint8_t* const* rowp, int64_t nb, const FewX& fx, const float* swc,
+                                  __m256i table, float* accs) {
+  const __m512i t = _mm512_broadcast_i32x4(_mm256_castsi256_si128(table));
+  if (m == 1) return few_rows_in_registers<1>(rowp, nb, fx, swc, t, accs);
+  if (m == 2) return few_rows_in_registers<2>(rowp, nb, fx, swc, t, accs);
+  if (m == 3) return few_rows_in_registers<3>(rowp, nb, fx, swc, t, accs);
+  if (m == 4) return few_rows_in_registers<4>(rowp, nb, fx, swc, t, accs);
+  if (m == 5) return few_rows_in_registers<5>(rowp, nb, fx, swc, t, accs);
+  few_rows_in_registers<6>(rowp, nb, fx, swc, t, accs);
+}
+
 template <QuantType QT>
 void run_few(const Gemm4bitParams& p, const FewX& fx, const float* bias) {
   const int64_t k = p.k, nb = k / 64;
@@ -453,38 +522,10 @@ void run_few(const Gemm4bitParams& p, const FewX& fx, const float* bias) {
       for (int i = rows; i < 16; ++i) _mm512_store_si512(wbuf + 64 * i, _mm512_setzero_si512());
       const uint8_t* rowp[16];
       for (int i = 0; i < rows; ++i) rowp[i] = p.packed + (n0 + i) * k / 2;
-      if (p.m == 1 && rows == 16) {
-        // One X row: each weight row's block is decoded in a register and
-        // used at once (no buffer), its 32 bytes loaded into both halves of
-        // a vector: the high nibbles of the lower copy (even columns) and
-        // the low ones of the upper copy (odd columns) in one shift, mask and
-        // lookup; the fp32 sums stay in a register. Same operations on the
-        // same values as below, so the same bits.
-        const __m512i table64 = _mm512_broadcast_i32x4(_mm256_castsi256_si128(table));
-        const __m512i low4x = _mm512_set1_epi8(0x0f);
-        const __m512i even_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          if ((b & 1) == 0 && b + kFewAhead < nb)
-            for (int i = 0; i < 16; ++i)
-              _mm_prefetch(reinterpret_cast<const char*>(rowp[i] + (b + kFewAhead) * 32), _MM_HINT_T0);
-          const __m512i xv = _mm512_loadu_si512(fx.q + b * 64);
-          __m512i v[16];
-#pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) {
-            const __m512i a =
-                _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rowp[i] + b * 32)));
-            const __m512i w = _mm512_shuffle_epi8(table64, _mm512_and_si512(_mm512_srlv_epi16(a, even_shift), low4x));
-            v[i] = dpbusd(_mm512_setzero_si512(), w, xv);
-          }
-          const __m512i total = lane_pairs(half_sums8(v), half_sums8(v + 8));  // lane i: weight row n0 + i
-          const __m512i isum = _mm512_sub_epi32(total, _mm512_set1_epi32(fx.corr[b]));
-          const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(fx.sx[b]), _mm512_loadu_ps(swc + b * 16));
-          acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), sc));
-        }
-        _mm512_store_ps(accs, acc);
+      if (rows == 16) {
+        few_rows_in_registers(int(p.m), rowp, nb, fx, swc, table, accs);
       }
-      for (int64_t b = 0; b < nb && !(p.m == 1 && rows == 16); ++b) {
+      for (int64_t b = 0; b < nb && rows < 16; ++b) {  // the last group of fewer rows: through wbuf
         // 16 interleaved row streams: fetched 16 blocks (8 lines) ahead of use
         if ((b & 1) == 0 && b + kFewAhead < nb)
           for (int i = 0; i < rows; ++i)
