@@ -71,7 +71,7 @@ class ScaleDecoder {
     int64_t b = b0;
     for (; b < b1 && (b & 15) != 0; ++b) out[b - b0] = MUL ? one(b) * mult : one(b);
     // byte lookups for long ranges (their 16 table vectors are loaded once per
-    // call: a W4A8 row strip's 64 scales measured faster with the words)
+    // call: a run of 64 scales measured faster with the words)
     if (vbmi_ && b1 - b >= kBytesMinRange) {
       b = decode_words<MUL>(b0, b, b1, true, out, mult);  // up to a multiple of 64
       b = decode_bytes<MUL>(b0, b, b1, out, mult);

@@ -208,14 +208,20 @@ void decode_chunk_scales(const Gemm4bitParams& p, const ScaleDecoder& scales, in
     for (int64_t b = 0; b < nbk; ++b) sw[j * nbk + b] = block_scales[(((n0 + j) * k + b * ba) >> shift) - first];
 }
 
-// Decodes columns [c0, c0 + len) of weight rows [n0, n0 + rows) (c0 and len
-// multiples of ba, len <= kKc) into w8 [rows][kKc] (unsigned table values
-// w8 + 128).
+// The unsigned table values w8 + 128 of the format's 16 codes, in each
+// 128-bit lane (a vpshufb table).
 template <QuantType QT>
-void decode_rows(const Gemm4bitParams& p, int64_t n0, int rows, int64_t c0, int64_t len, int64_t ba, uint8_t* w8) {
+__m512i w8_table() {
   alignas(16) uint8_t t8[16];
   for (int i = 0; i < 16; ++i) t8[i] = uint8_t(w4a8::table8<QT>(i) + 128);
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
+}
+
+// Decodes columns [c0, c0 + len) of weight rows [n0, n0 + rows) (c0 and len
+// multiples of ba, len <= kKc) into w8 [rows][kKc] (unsigned table values
+// w8 + 128; table: w8_table).
+inline void decode_rows(const Gemm4bitParams& p, __m512i table, int64_t n0, int rows, int64_t c0, int64_t len,
+                        int64_t ba, uint8_t* w8) {
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const int64_t k = p.k;
   for (int j = 0; j < rows; ++j) {
@@ -321,6 +327,7 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
   const int64_t chunks = ceil_div(p.n, int64_t(nr_max));
   const int64_t per_pass =
       std::max<int64_t>(mr, std::min<int64_t>(kMaxPassGroups, kPanelBytes / (pn.steps * 64)) / mr * mr);
+  const __m512i table = w8_table<QT>();
   parallel_for(chunks, 1, [&](int64_t c0, int64_t c1) {
     const ScaleDecoder scales(p.scales);
     // per thread: the pass's fp32 sums, the strip (w8), the chunk's scales
@@ -345,7 +352,7 @@ void run(const Gemm4bitParams& p, const Panels& pn, int64_t ba, const float* bia
         decode_chunk_scales<QT>(p, scales, n0, nr, ba, sw, block_scales);
         for (int64_t k0 = 0; k0 < p.k; k0 += kKc) {
           const int64_t len = std::min(kKc, p.k - k0);
-          decode_rows<QT>(p, n0, nr, k0, len, ba, w8);
+          decode_rows(p, table, n0, nr, k0, len, ba, w8);
           w.sw = sw + k0 / ba;
           w.t0 = k0 / 4;
           w.b0 = k0 / ba;
@@ -493,31 +500,24 @@ inline void few_rows_in_registers(int m, const uint8_t* const* rowp, int64_t nb,
 template <QuantType QT>
 void run_few(const Gemm4bitParams& p, const FewX& fx, const float* bias) {
   const int64_t k = p.k, nb = k / 64;
-  const int shift = log2_exact(p.blocksize);
-  alignas(16) uint8_t t8[16];
-  for (int i = 0; i < 16; ++i) t8[i] = uint8_t(w4a8::table8<QT>(i) + 128);
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t8)));
-  const float inv_scale = w4a8::inv_table_scale<QT>();
+  const __m512i table = w8_table<QT>();
   parallel_for(ceil_div(p.n, int64_t(16)), 1, [&](int64_t c0, int64_t c1) {
     const ScaleDecoder scales(p.scales);
-    // per thread: the 16 rows' scales [block][row], one row's scales, the sums
-    const int64_t row_scales = k / p.blocksize + 2;
-    char* buf = aligned_scratch<char>(kSlotRow, 4 * 16 * nb + 4 * row_scales + 64 * kFewRows + 128);
+    // per thread: the 16 rows' scales [block][row], the same [row][block]
+    // and their weight blocks' scales (decode_chunk_scales), the sums
+    const int64_t group_blocks = 16 * k / p.blocksize + 2;
+    char* buf = aligned_scratch<char>(kSlotRow, 4 * (2 * 16 * nb + group_blocks) + 64 * kFewRows + 128);
     float* swc = reinterpret_cast<float*>(buf);
-    float* tmp = swc + 16 * nb;
-    float* accs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(tmp + row_scales) + 63) & ~uintptr_t(63));
+    float* sw = swc + 16 * nb;
+    float* block_scales = sw + 16 * nb;
+    float* accs =
+        reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(block_scales + group_blocks) + 63) & ~uintptr_t(63));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * 16;
       const int rows = int(std::min<int64_t>(16, p.n - n0));
-      for (int i = 0; i < 16; ++i) {
-        if (i >= rows) {
-          for (int64_t b = 0; b < nb; ++b) swc[b * 16 + i] = 0.0f;
-          continue;
-        }
-        const int64_t f0 = (n0 + i) * k, first = f0 >> shift;
-        scales.decode(first, ((f0 + k - 1) >> shift) + 1, tmp);
-        for (int64_t b = 0; b < nb; ++b) swc[b * 16 + i] = tmp[((f0 + b * 64) >> shift) - first] * inv_scale;
-      }
+      decode_chunk_scales<QT>(p, scales, n0, rows, 64, sw, block_scales);
+      for (int64_t b = 0; b < nb; ++b)
+        for (int i = 0; i < 16; ++i) swc[b * 16 + i] = i < rows ? sw[i * nb + b] : 0.0f;
       const uint8_t* rowp[16];
       for (int i = 0; i < 16; ++i) rowp[i] = p.packed + (n0 + (i < rows ? i : 0)) * k / 2;
       few_rows_in_registers(int(p.m), rowp, nb, fx, swc, table, accs);
