@@ -71,6 +71,7 @@ double ns_per_iter(F&& body) {
     Q4_R12(Q4_SINK_B)                      \
   }
 #define Q4_PAIR(INSN) Q4_PAIR_WITH(dpbf16, INSN)
+#define Q4_TWO_vpshufb(i) asm("vpshufb %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_vpermw(i) asm("vpermw %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_zext(i) asm("vpmovzxbw %1, %0" : "+v"(b##i) : "v"(xh));
 #define Q4_TWO_cvt2bf16(i) asm("vcvtne2ps2bf16 %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
@@ -81,6 +82,8 @@ double ns_per_iter(F&& body) {
 #define Q4_TWO_subps(i) asm("vsubps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_addps(i) asm("vaddps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_paddd(i) asm("vpaddd %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_vpermps(i) asm("vpermps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_srld(i) asm("vpsrld $4, %1, %0" : "+v"(b##i) : "v"(x));
 
 }  // namespace
 
@@ -133,6 +136,16 @@ int main() {
       {"+ vpaddd", ns_per_iter(Q4_PAIR_WITH(dpbusd, paddd))},
   };
   for (const Row& r : int_pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
+  std::printf(
+      "cycles per pair, vfmadd231ps beside one fp32-gemv decode instruction (~0.5 = fully overlapped, ~1.0 = same "
+      "pipes):\n");
+  const Row fma_pairs[] = {
+      {"+ vpermps", ns_per_iter(Q4_PAIR_WITH(fma, vpermps))},
+      {"+ vpsrld", ns_per_iter(Q4_PAIR_WITH(fma, srld))},
+      {"+ vpermw", ns_per_iter(Q4_PAIR_WITH(fma, vpermw))},
+      {"+ vpshufb", ns_per_iter(Q4_PAIR_WITH(fma, vpshufb))},
+  };
+  for (const Row& r : fma_pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
   const double dot = alone[0].ns / 12 / ns_cycle, dpbusd = alone[1].ns / 12 / ns_cycle;
   std::printf("per core: %.0f bf16 GFLOP/s (vdpbf16ps), %.0f int8 GOP/s (vpdpbusd) at this clock\n",
               64 / (dot * ns_cycle), 128 / (dpbusd * ns_cycle));

@@ -81,8 +81,8 @@ def bf16_input(rng, shape, scale=3.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
 
 
-# m covers the gemv path (m <= 24: one pass for m <= 4, else x groups of <= 4
-# rows, up to the largest) and the tiled path (panels of 16 rows, partial
+# m covers the gemv path (m <= 24: one pass for m <= 4, W row pairs against 5-8
+# x rows, else x groups of <= 4 rows, up to the largest) and the tiled path (panels of 16 rows, partial
 # panels; m <= 32 decodes the next W tile inside the dot products); n and k are
 # not multiples of any tile size (but k % 64 == 0, the kernels' condition).
 BATCHES = (1, 2, 3, 5, 8, 17, 24, 25, 64, 130)
@@ -120,7 +120,10 @@ def test_grad_input_matches_oracle(rng, quant_type, nested, blocksize, out_dtype
     "m, n, k, blocksize",
     [
         (1, 130, 4160, 64),  # one x row, k = 65 chunks
-        (8, 300, 1088, 32),  # gemv, two x groups, k split in segments (1024 + 64)
+        (8, 300, 1088, 32),  # gemv, 8 x rows: W row pairs against all of them, one k segment
+        (7, 61, 4160, 32),  # gemv, 7 x rows: k segments 2304 + 1856, two scales per chunk
+        (6, 45, 5696, 256),  # gemv, 6 x rows: k segments 2688 + 2688 + 320, blocks straddle rows
+        (5, 130, 6592, 64),  # gemv, 5 x rows: k segments 3264 + 3264 + 64, a last partial W row group
         (16, 67, 2112, 128),  # gemv, four x groups
         (29, 300, 1088, 64),  # tiled, two panels: the next W tile decoded inside the dot products
         (130, 300, 1088, 64),  # tiled: partial row tile, partial k tile, panel groups 3 + 3 + 3
@@ -214,7 +217,7 @@ def test_denormal_inputs_count_as_zero(rng):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 29, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    n, k = 203, 1216
+    n, k = 203, 1216 if m != 8 else 4288  # 8 rows: two k segments
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = bf16_input(rng, (m, k))
     g = bf16_input(rng, (m, n))

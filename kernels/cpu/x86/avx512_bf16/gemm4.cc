@@ -32,10 +32,13 @@
 //   gemv  (m <= kGemvMaxM = 24): x deinterleaved once. W rows are decoded
 //         chunk by chunk into registers, 4 rows at a time, and dotted with up
 //         to 4 x rows held in registers; each output keeps 16 fp32 lanes of
-//         partial sums (two sets for m <= 2), summed at the end. More x rows:
-//         groups of <= 4, each decoding the 4 W rows again (from L1, where
-//         the first group's pass left them). The next row group's bytes are
-//         prefetched.
+//         partial sums (two sets for m <= 2), summed at the end. 5-8 x rows
+//         (kWideGroup): W rows decoded 2 at a time and dotted with every x
+//         row, read from L1 (x stored chunk by chunk, [k/64][m][64]), in k
+//         segments of x that fit L1 (the partial sums kept in memory between
+//         segments). More x rows: groups of <= 4, each decoding the 4 W rows
+//         again (from L1, where the first group's pass left them). The next
+//         row group's bytes are prefetched.
 //   tiled (m > kGemvMaxM): x packed once into panels of 16 rows ([k/2 pairs]
 //         [16 rows] dwords); tiles of 32 W rows x 256 k decoded into bf16
 //         and reused by every panel in an 8-row x 3-panel register tile (W
@@ -188,8 +191,24 @@ struct GemvArgs {
   int64_t k;
   int shift;
   __m512 codes;
-  const uint16_t* xq;  // deinterleaved x rows, [m][k]
+  const uint16_t* xq;  // deinterleaved x rows: [m][k], or (5-8 rows) [k / 64][m][64]
 };
+
+// R W rows' chunks dotted with M x rows read from memory (x + j * 64: the
+// deinterleaved chunk of x row j, chunk-major): each x vector is loaded once
+// and used by the R rows at once.
+template <int R, int M>
+__attribute__((always_inline)) inline void dot_rows_mem(__m512 (&acc)[R][M][1], const Chunk (&w)[R],
+                                                        const uint16_t* x) {
+#pragma GCC unroll 8
+  for (int j = 0; j < M; ++j) {
+    const __m512i xe = _mm512_load_si512(x + j * kChunk), xo = _mm512_load_si512(x + j * kChunk + 32);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i][j][0] = dot(acc[i][j][0], w[i].hi, xe);
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) acc[i][j][0] = dot(acc[i][j][0], w[i].lo, xo);
+  }
+}
 
 // One W row's chunk dotted with M x rows: acc[j][h] for x row j.
 template <int M, int H>
@@ -208,16 +227,23 @@ __attribute__((always_inline)) inline void dot_row(__m512 (&acc)[M][H], const Ch
 // hide the vdpbf16ps latency). sc[b - b_base] = scale of block b. SPC: the
 // blocks' scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0
 // (larger: several chunks per block).
+// Columns [kr.c0, kr.c1) only (multiples of 64); kr.resume: go on from the
+// partial sums in acc_mem (the same additions in the same order as one pass).
+struct KRange {
+  int64_t c0, c1;
+  bool resume;
+};
+
 template <int R, int M, int H, int SPC>
-void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc_mem,
-               int64_t lda) {
+void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc_mem, int64_t lda,
+               KRange kr) {
   constexpr bool TWO = SPC == 2;
   const int64_t k = g.k;
   const __m512i half = upper_half_bit();
   __m512 acc[R][M][H];
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j)
-      for (int h = 0; h < H; ++h) acc[i][j][h] = _mm512_setzero_ps();
+      for (int h = 0; h < H; ++h) acc[i][j][h] = kr.resume ? acc_mem[i * lda + j * H + h] : _mm512_setzero_ps();
   const uint16_t* x = g.xq + j0 * k;
   // W row r0 + i at chunk c: its bytes at wb + i * row_bytes and (SPC > 0)
   // its scales at sb + i * row_scales, both pointers advanced per chunk (k is
@@ -229,8 +255,8 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
   uint64_t frow[R];
   for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
   const int64_t row_bytes = k >> 1, row_scales = SPC > 0 ? k >> shift : 0;
-  const uint8_t* wb = g.packed + (frow[0] >> 1);                   // row r0 at chunk c
-  const float* sb = sc + ((frow[0] >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
+  const uint8_t* wb = g.packed + ((frow[0] + uint64_t(kr.c0)) >> 1);                   // row r0 at chunk c
+  const float* sb = sc + (((frow[0] + uint64_t(kr.c0)) >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
   const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
   const int64_t pf_bytes = int64_t(pf_dist >> 1);
   const bool pf = frow[R - 1] + pf_dist + uint64_t(k) <= uint64_t(g.size);
@@ -248,27 +274,30 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
   // Zen 5 VM, one thread, 4096^2, batch 4 0.456 -> 0.385 ms, batch 8 0.88 ->
   // 0.78, batch 2 0.342 -> 0.314; batch 1 and 3, and blocksizes above 64
   // (no table ahead), measured faster decoded first.
-  constexpr bool ROWWISE = SPC > 0 && (M == 4 || (M == 2 && H == 2));
+  constexpr bool XMEM = M > 4;  // x read from L1 by each dot product
+  constexpr bool ROWWISE = !XMEM && (SPC > 0 && (M == 4 || (M == 2 && H == 2)));
   __m512i tab_next[R], v_next[R];
   for (int i = 0; i < R; ++i) {
     if (TAB_AHEAD) tab_next[i] = chunk_table<false>(g.codes, sb[i * row_scales], 0.0f);
     if (LOAD_AHEAD) v_next[i] = widen_chunk(wb + i * row_bytes);
   }
-  for (int64_t c = 0; c < k; c += kChunk, wb += kChunk / 2, sb += SPC) {
+  for (int64_t c = kr.c0; c < kr.c1; c += kChunk, wb += kChunk / 2, sb += SPC) {
     const bool pf_now = pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
-    __m512i xe[M], xo[M];
+    __m512i xe[XMEM ? 1 : M], xo[XMEM ? 1 : M];
+    if constexpr (!XMEM) {
 #pragma GCC unroll 8
-    for (int j = 0; j < M; ++j) {
-      xe[j] = _mm512_load_si512(x + j * k + c);
-      xo[j] = _mm512_load_si512(x + j * k + c + 32);
+      for (int j = 0; j < M; ++j) {
+        xe[j] = _mm512_load_si512(x + j * k + c);
+        xo[j] = _mm512_load_si512(x + j * k + c + 32);
+      }
     }
     Chunk w[R];
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const float* s = SPC > 0 ? sb + i * row_scales : sc + (((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base));
-      const bool more = c + kChunk < k;
+      const bool more = c + kChunk < kr.c1;
       __m512i tab;
       if (TAB_AHEAD) {
         tab = tab_next[i];
@@ -289,7 +318,9 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       }
       if constexpr (ROWWISE) dot_row<M, H>(acc[i], w[i], xe, xo);
     }
-    if constexpr (!ROWWISE) {
+    if constexpr (XMEM) {
+      if constexpr (H == 1) dot_rows_mem<R, M>(acc, w, g.xq + c * M);
+    } else if constexpr (!ROWWISE) {
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) dot_row<M, H>(acc[i], w[i], xe, xo);
     }
@@ -303,25 +334,42 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
 // then M <= 2).
 template <int R, int SPC>
 void gemv_rows(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
-               int64_t lda) {
+               int64_t lda, KRange kr) {
   if (H == 2) {
-    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, r0, j0, sc, b_base, acc, lda);
-    return gemv_tile<R, 1, 2, SPC>(g, r0, j0, sc, b_base, acc, lda);
+    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+    return gemv_tile<R, 1, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
   }
   switch (M) {
+    case 8:
+      return gemv_tile<R, 8, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+    case 7:
+      return gemv_tile<R, 7, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+    case 6:
+      return gemv_tile<R, 6, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+    case 5:
+      return gemv_tile<R, 5, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
     case 4:
-      return gemv_tile<R, 4, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
+      return gemv_tile<R, 4, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
     case 3:
-      return gemv_tile<R, 3, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
+      return gemv_tile<R, 3, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
     case 2:
-      return gemv_tile<R, 2, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
+      return gemv_tile<R, 2, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
     default:
-      return gemv_tile<R, 1, 1, SPC>(g, r0, j0, sc, b_base, acc, lda);
+      return gemv_tile<R, 1, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
   }
 }
 
 constexpr int kGemvR = 4;               // W rows per gemv register tile
 constexpr int64_t kGemvBlockRows = 32;  // W rows whose scales are decoded at once
+// 5-8 x rows ("wide"): one group, each W row pair decoded once for all of
+// them, x read from L1 by the dot products in k segments of <= kWideXBytes of
+// x (one thread, 4096^2, against groups of <= 4 decoding W again per group:
+// batch 5 0.59-0.61 -> 0.52-0.55 ms, 6 0.65-0.66 -> 0.62-0.63, 8 0.79 ->
+// 0.74-0.77; unsegmented, 8 rows of x (64 KiB) miss L1: 1.0 ms; segments of
+// 12 / 24 / 48 KiB of x: 0.90 / 0.81 / 0.93 at batch 8).
+constexpr int kWideGroup = 8;                       // up to this many x rows: one group
+constexpr int kWideR = 2;                           // W rows per register tile then
+constexpr int64_t kWideXBytes = int64_t(32) << 10;  // x bytes per k segment then
 
 // m <= 4: each W row group is decoded into registers and dotted with every x
 // row at once. 4 < m <= kGemvMaxM: x rows in groups of <= 4, each group's pass
@@ -332,6 +380,7 @@ constexpr int64_t kGemvBlockRows = 32;  // W rows whose scales are decoded at on
 template <typename OutT, typename BiasT, int SPC>
 void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
+  const bool wide = m > kGemvGroup && m <= kWideGroup;
   // deinterleaved x, one pass (caller's scratch)
   uint16_t* xq = scratch_as<uint16_t>(kSlotPanels, m * k * 2);
   {
@@ -340,16 +389,20 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
     for (int64_t i = 0; i < m * k; i += kChunk) {
       __m512i e, o;
       deinterleave64(x + i, ie, io, &e, &o);
-      _mm512_storeu_si512(xq + i, e);
-      _mm512_storeu_si512(xq + i + 32, o);
+      // wide: chunk c of row j at (c * m + j) * 64
+      const int64_t at = wide ? ((i % k) / kChunk * m + i / k) * kChunk : i;
+      _mm512_storeu_si512(xq + at, e);
+      _mm512_storeu_si512(xq + at + 32, o);
     }
   }
   const GemvArgs g{p.packed, n * k, k, log2_exact(p.blocksize), code_table(p.quant_type), xq};
-  // x groups of at most 4 rows, as even as possible
-  const int groups = int(ceil_div(m, kGemvGroup));
+  // x groups of at most 4 rows, as even as possible, or one (wide)
+  const int groups = wide ? 1 : int(ceil_div(m, kGemvGroup));
   const int64_t gsize = ceil_div(m, groups);
   const int H = m <= 2 ? 2 : 1;
   const int64_t lda = m * H;  // vectors per W row in acc
+  // wide: k in segments whose x rows stay in L1
+  const int64_t kseg = wide ? max64(kChunk, kWideXBytes / (2 * m) / kChunk * kChunk) : k;
   parallel_for(ceil_div(n, kGemvR), 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kGemvR, n1 = min64(n, t1 * kGemvR);
     const int64_t sc_count = (((kGemvBlockRows * k) >> g.shift) + 4 + 15) / 16 * 16;
@@ -361,15 +414,22 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
       const int64_t b0 = (rb * k) >> g.shift, b1 = ((re * k - 1) >> g.shift) + 1;
       scales.decode(b0, b1, sc);
       if (re < n1) scales.prefetch(b1, ((min64(n1, re + kGemvBlockRows) * k - 1) >> g.shift) + 1);
-      for (int64_t r = rb; r < re; r += kGemvR) {
-        const int rows = int(min64(kGemvR, re - r));
-        __m512* a = acc + (r - rb) * lda;
-        for (int64_t j0 = 0; j0 < m; j0 += gsize) {
-          const int M = int(min64(gsize, m - j0));
-          if (rows == kGemvR) {
-            gemv_rows<kGemvR, SPC>(M, H, g, r, j0, sc, b0, a + j0 * H, lda);
-          } else {
-            for (int i = 0; i < rows; ++i) gemv_rows<1, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda);
+      for (int64_t c0 = 0; c0 < k; c0 += kseg) {
+        const KRange kr{c0, min64(k, c0 + kseg), c0 > 0};
+        for (int64_t r = rb; r < re; r += kGemvR) {
+          const int rows = int(min64(kGemvR, re - r));
+          __m512* a = acc + (r - rb) * lda;
+          for (int64_t j0 = 0; j0 < m; j0 += gsize) {
+            const int M = int(min64(gsize, m - j0));
+            if (rows == kGemvR && M > kGemvGroup) {
+              for (int i = 0; i < kGemvR; i += kWideR)
+                gemv_rows<kWideR, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda, kr);
+            } else if (rows == kGemvR) {
+              gemv_rows<kGemvR, SPC>(M, H, g, r, j0, sc, b0, a + j0 * H, lda, kr);
+            } else {
+              for (int i = 0; i < rows; ++i)
+                gemv_rows<1, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda, kr);
+            }
           }
         }
       }
