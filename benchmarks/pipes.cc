@@ -71,6 +71,19 @@ double ns_per_iter(F&& body) {
     Q4_R12(Q4_SINK_B)                      \
   }
 #define Q4_PAIR(INSN) Q4_PAIR_WITH(dpbf16, INSN)
+// 12 vdpbf16ps and one INSN per iteration: what one decode instruction costs
+// inside a tile of dot products (the pairs above run both at full rate)
+#define Q4_ONE_IN_12(INSN)                 \
+  [&] {                                    \
+    Q4_R12(Q4_DECL)                        \
+    Q4_R12(Q4_DECL_B)                      \
+    for (long it = 0; it < kIters; ++it) { \
+      Q4_R12(Q4_ONE_dpbf16)                \
+      Q4_TWO_##INSN(0)                     \
+    }                                      \
+    Q4_R12(Q4_SINK)                        \
+    Q4_R12(Q4_SINK_B)                      \
+  }
 #define Q4_TWO_vpshufb(i) asm("vpshufb %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_vpermw(i) asm("vpermw %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_zext(i) asm("vpmovzxbw %1, %0" : "+v"(b##i) : "v"(xh));
@@ -126,6 +139,14 @@ int main() {
       {"+ vmulps", ns_per_iter(Q4_PAIR(mulps))},
   };
   for (const Row& r : pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
+  std::printf("cycles per 12 vdpbf16ps beside one decode instruction (12 x the vdpbf16ps figure = free):\n");
+  const Row ones[] = {
+      {"+ vcvtne2ps2bf16", ns_per_iter(Q4_ONE_IN_12(cvt2bf16))},
+      {"+ vpermw", ns_per_iter(Q4_ONE_IN_12(vpermw))},
+      {"+ vmulps", ns_per_iter(Q4_ONE_IN_12(mulps))},
+      {"+ vpmovzxbw", ns_per_iter(Q4_ONE_IN_12(zext))},
+  };
+  for (const Row& r : ones) std::printf("  %-18s %.2f\n", r.name, r.ns / ns_cycle);
   std::printf(
       "cycles per pair, vpdpbusd beside one epilogue instruction (~0.5 = fully overlapped, ~1.0 = same pipes):\n");
   const Row int_pairs[] = {
