@@ -221,18 +221,21 @@ __attribute__((always_inline)) inline void dot_row(__m512 (&acc)[M][H], const Ch
   }
 }
 
-// R W rows (from r0) against M deinterleaved x rows (from j0), over all k
-// columns: the 16-lane partial sums of output (i, j) are written to
-// acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
-// hide the vdpbf16ps latency). sc[b - b_base] = scale of block b. SPC: the
-// blocks' scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0
-// (larger: several chunks per block).
-// Columns [kr.c0, kr.c1) only (multiples of 64); kr.resume: go on from the
-// partial sums in acc_mem (the same additions in the same order as one pass).
+// The columns [c0, c1) of a gemv tile's pass (multiples of 64); resume: go
+// on from the partial sums in acc_mem (the same additions in the same order
+// as one pass over all k).
 struct KRange {
   int64_t c0, c1;
   bool resume;
 };
+
+// R W rows (from r0) against M deinterleaved x rows (from j0), over the
+// columns kr: the 16-lane partial sums of output (i, j) are written to
+// acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
+// hide the vdpbf16ps latency). sc[b - b_base] = scale of block b. SPC: the
+// blocks' scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0
+// (larger: several chunks per block). M > 4 (XMEM): x is chunk-major and
+// read from L1 by the dot products (dot_rows_mem).
 
 template <int R, int M, int H, int SPC>
 void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc_mem, int64_t lda,
