@@ -1,6 +1,9 @@
 """Quantized layers beside bitsandbytes 0.50.2 and dense torch, 4096x4096 with
 bias, fp32 and bf16 inputs: forward at batch 1, 32 and 512 and a training step
-(forward + backward to the input, frozen weight), in one process.
+(forward + backward to the input, frozen weight), in one process; and the
+batch-1 forward of Linear4bit at all-MiniLM-L6-v2's shapes (384x384, 384x1536,
+1536x384), where the per-call cost of each library's Python and C path is
+most of the call.
 
     Q4_LIBRARY=build/<dir>/libq4.so PYTHONPATH=. .venv/bin/python benchmarks/run.py layers
 
@@ -20,6 +23,7 @@ from common import interleaved, print_header, print_table, write_json
 
 N = K = 4096
 BATCHES = (1, 32, 512)
+SMALL = ((384, 384), (384, 1536), (1536, 384))  # (in, out) of all-MiniLM-L6-v2's linear layers
 
 
 def main() -> dict:
@@ -92,6 +96,29 @@ def main() -> dict:
             r["dense / q4 train"] = r["dense train step"] / r["q4 train step"]
             results[f"{name}, {str(dtype).removeprefix('torch.')}, batch {m}"] = r
         dense.to(torch.float32)
+    small = {}
+    for k_in, n_out in SMALL:
+        ws, bs = torch.randn(n_out, k_in) * 0.05, torch.randn(n_out) * 0.1
+        for dtype in (torch.float32, torch.bfloat16):
+            layers = []
+            for cls in (qnn.Linear4bit, bnb.nn.Linear4bit, torch.nn.Linear):
+                kw = {"quant_type": "nf4", "compute_dtype": dtype} if cls is not torch.nn.Linear else {}
+                layer = cls(k_in, n_out, bias=True, **kw)
+                layer.weight.data, layer.bias.data = ws.clone(), bs.clone()
+                layer = layer.to("cpu").eval()
+                layers.append(layer.to(dtype) if cls is torch.nn.Linear else layer)
+            x = torch.randn(1, k_in).to(dtype)
+            with torch.inference_mode():
+                res = interleaved(
+                    {
+                        f"{lib} forward": forward(layer, x)
+                        for lib, layer in zip(("q4", "bitsandbytes", "dense"), layers, strict=True)
+                    }
+                )
+            r = {k: 1e3 * v["median_ms"] for k, v in res.items()}  # microseconds
+            r["bnb / q4"] = r["bitsandbytes forward"] / r["q4 forward"]
+            r["dense / q4"] = r["dense forward"] / r["q4 forward"]
+            small[f"Linear4bit nf4 {k_in}x{n_out}, {str(dtype).removeprefix('torch.')}, batch 1"] = r
     print("note: bitsandbytes' Linear8bitLt rounds fp32 inputs to fp16 before its int8 quantization (its warning)")
     header = ["layer"] + list(next(iter(results.values())))
     print_table(
@@ -99,7 +126,12 @@ def main() -> dict:
         header,
         [[k, *v.values()] for k, v in results.items()],
     )
-    record = {**head, "results": results}
+    print_table(
+        "small layers (all-MiniLM-L6-v2 shapes), batch 1 forward: median µs per call; ratios > 1 mean q4 is faster",
+        ["layer", "q4 µs", "bitsandbytes µs", "dense µs", "bnb / q4", "dense / q4"],
+        [[k, *v.values()] for k, v in small.items()],
+    )
+    record = {**head, "results": results, "small_layers_us": small}
     print(f"\nJSON: {write_json('layers', record)}")
     return record
 
