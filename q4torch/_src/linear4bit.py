@@ -388,7 +388,7 @@ class Linear4bit(nn.Linear):
             raise ValueError(f"input has {x.shape[-1]} features, this layer expects in_features={self.in_features}")
         compute = self.compute_dtype if self.compute_dtype is not None else x.dtype
         # (no .to() calls when the dtypes already agree: ~0.7 us each, at batch 1 on a small layer a tenth of the call)
-        bias = self.bias
+        bias: torch.Tensor | None = self.bias
         if bias is not None and bias.dtype != compute:
             bias = bias.to(compute)  # a copy: the parameter keeps its dtype
         activation_quant = getattr(self, "activation_quant", None)  # (modules unpickled from older versions)
