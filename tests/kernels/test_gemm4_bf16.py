@@ -82,9 +82,10 @@ def bf16_input(rng, shape, scale=3.0):
 
 
 # m covers the gemv path (m <= 24: one pass for m <= 4, W row pairs against 5-8
-# x rows, else x groups of <= 4 rows, up to the largest) and the tiled path (panels of 16 rows, partial
-# panels; m <= 32 decodes the next W tile inside the dot products); n and k are
-# not multiples of any tile size (but k % 64 == 0, the kernels' condition).
+# x rows, else x groups of <= 4 rows, up to the largest) and the tiled path
+# (panels of 16 rows, partial panels; m <= 32 decodes the next W tile inside
+# the dot products); n and k are not multiples of any tile size (but k % 64 ==
+# 0, the kernels' condition).
 BATCHES = (1, 2, 3, 5, 8, 17, 24, 25, 64, 130)
 FORMATS = [(qt, nested, bs) for qt in ("nf4", "fp4") for nested in (False, True) for bs in (32, 64, 256, 4096)]
 

@@ -333,37 +333,6 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
 }
 
-// M x rows (1..4); H = 2 accumulators per output (only when m <= 2, so
-// then M <= 2).
-template <int R, int SPC>
-void gemv_rows(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
-               int64_t lda, KRange kr) {
-  if (H == 2) {
-    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    return gemv_tile<R, 1, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-  }
-  switch (M) {
-    case 8:
-      return gemv_tile<R, 8, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    case 7:
-      return gemv_tile<R, 7, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    case 6:
-      return gemv_tile<R, 6, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    case 5:
-      return gemv_tile<R, 5, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    case 4:
-      return gemv_tile<R, 4, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    case 3:
-      return gemv_tile<R, 3, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    case 2:
-      return gemv_tile<R, 2, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    default:
-      return gemv_tile<R, 1, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-  }
-}
-
-constexpr int kGemvR = 4;               // W rows per gemv register tile
-constexpr int64_t kGemvBlockRows = 32;  // W rows whose scales are decoded at once
 // 5-8 x rows ("wide"): one group, each W row pair decoded once for all of
 // them, x read from L1 by the dot products in k segments of <= kWideXBytes of
 // x (one thread, 4096^2, against groups of <= 4 decoding W again per group:
@@ -374,9 +343,36 @@ constexpr int kWideGroup = 8;                       // up to this many x rows: o
 constexpr int kWideR = 2;                           // W rows per register tile then
 constexpr int64_t kWideXBytes = int64_t(32) << 10;  // x bytes per k segment then
 
+// gemv_tile with one accumulator per output and M = 1..MMAX x rows chosen
+// at run time
+template <int R, int MMAX, int SPC>
+void gemv_tile_any(int M, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
+                   int64_t lda, KRange kr) {
+  if constexpr (MMAX > 1) {
+    if (M < MMAX) return gemv_tile_any<R, MMAX - 1, SPC>(M, g, r0, j0, sc, b_base, acc, lda, kr);
+  }
+  gemv_tile<R, MMAX, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+}
+
+// M x rows (1..kWideGroup); H = 2 accumulators per output (only when m <= 2,
+// so then M <= 2).
+template <int R, int SPC>
+void gemv_rows(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
+               int64_t lda, KRange kr) {
+  if (H == 2) {
+    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+    return gemv_tile<R, 1, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+  }
+  gemv_tile_any<R, kWideGroup, SPC>(M, g, r0, j0, sc, b_base, acc, lda, kr);
+}
+
+constexpr int kGemvR = 4;               // W rows per gemv register tile
+constexpr int64_t kGemvBlockRows = 32;  // W rows whose scales are decoded at once
+
 // m <= 4: each W row group is decoded into registers and dotted with every x
-// row at once. 4 < m <= kGemvMaxM: x rows in groups of <= 4, each group's pass
-// decoding the W row group again from L1. (Decoding it once into an L1 buffer
+// row at once; 4 < m <= kWideGroup: the same by W row pairs, x from L1 in k
+// segments (wide). kWideGroup < m <= kGemvMaxM: x rows in groups of <= 4,
+// each group's pass decoding the W row group again from L1. (Decoding it once into an L1 buffer
 // for the other groups, and splitting k into segments whose x rows stay in
 // L1, measured slower: one thread, 4096^2, batch 8 2.28 vs 1.80 ms, batch 16
 // 4.89 vs 3.58.) SPC: scales per chunk (gemv_tile).
