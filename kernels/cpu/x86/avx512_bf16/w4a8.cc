@@ -487,14 +487,14 @@ void few_rows_in_registers(const uint8_t* const* rowp, int64_t nb, const FewX& f
   for (int r = 0; r < M; ++r) _mm512_store_ps(accs + 16 * r, acc[r]);
 }
 
-inline void few_rows_in_registers(int m, const uint8_t* const* rowp, int64_t nb, const FewX& fx, const float* swc,
-                                  __m512i t, float* accs) {
-  if (m == 1) return few_rows_in_registers<1>(rowp, nb, fx, swc, t, accs);
-  if (m == 2) return few_rows_in_registers<2>(rowp, nb, fx, swc, t, accs);
-  if (m == 3) return few_rows_in_registers<3>(rowp, nb, fx, swc, t, accs);
-  if (m == 4) return few_rows_in_registers<4>(rowp, nb, fx, swc, t, accs);
-  if (m == 5) return few_rows_in_registers<5>(rowp, nb, fx, swc, t, accs);
-  few_rows_in_registers<6>(rowp, nb, fx, swc, t, accs);
+// few_rows_in_registers with M = 1..MMAX X rows chosen at run time
+template <int MMAX>
+void few_rows_any(int m, const uint8_t* const* rowp, int64_t nb, const FewX& fx, const float* swc, __m512i t,
+                  float* accs) {
+  if constexpr (MMAX > 1) {
+    if (m < MMAX) return few_rows_any<MMAX - 1>(m, rowp, nb, fx, swc, t, accs);
+  }
+  few_rows_in_registers<MMAX>(rowp, nb, fx, swc, t, accs);
 }
 
 template <QuantType QT>
@@ -520,7 +520,7 @@ void run_few(const Gemm4bitParams& p, const FewX& fx, const float* bias) {
         for (int i = 0; i < 16; ++i) swc[b * 16 + i] = i < rows ? sw[i * nb + b] : 0.0f;
       const uint8_t* rowp[16];
       for (int i = 0; i < 16; ++i) rowp[i] = p.packed + (n0 + (i < rows ? i : 0)) * k / 2;
-      few_rows_in_registers(int(p.m), rowp, nb, fx, swc, table, accs);
+      few_rows_any<kFewRows>(int(p.m), rowp, nb, fx, swc, table, accs);
       Q4_DTYPE_SWITCH(p.out_dtype, T, [&] {
         T* out = static_cast<T*>(p.out);
         for (int r = 0; r < p.m; ++r)
