@@ -39,10 +39,10 @@ def main() -> dict:
     w = torch.randn(N, K) * 0.02
     b = torch.randn(N) * 0.1
 
-    def build(cls, **kw):
-        layer = cls(K, N, bias=True, **kw)
-        layer.weight.data = w.clone()
-        layer.bias.data = b.clone()
+    def build(cls, weight=w, bias=b, **kw):
+        layer = cls(weight.shape[1], weight.shape[0], bias=True, **kw)
+        layer.weight.data = weight.clone()
+        layer.bias.data = bias.clone()
         return layer.to("cpu")
 
     kinds = {
@@ -50,9 +50,7 @@ def main() -> dict:
         "Linear8bitLt t=0": (qnn.Linear8bitLt, bnb.nn.Linear8bitLt, {"has_fp16_weights": False, "threshold": 0.0}),
         "Linear8bitLt t=6": (qnn.Linear8bitLt, bnb.nn.Linear8bitLt, {"has_fp16_weights": False, "threshold": 6.0}),
     }
-    dense = torch.nn.Linear(K, N)
-    dense.weight.data = w.clone()
-    dense.bias.data = b.clone()
+    dense = build(torch.nn.Linear)
     dense.weight.requires_grad_(False)  # a frozen base, like the quantized ones: train step = dX and dbias
 
     def forward(layer, x):
@@ -100,21 +98,14 @@ def main() -> dict:
     for k_in, n_out in SMALL:
         ws, bs = torch.randn(n_out, k_in) * 0.05, torch.randn(n_out) * 0.1
         for dtype in (torch.float32, torch.bfloat16):
-            layers = []
-            for cls in (qnn.Linear4bit, bnb.nn.Linear4bit, torch.nn.Linear):
-                kw = {"quant_type": "nf4", "compute_dtype": dtype} if cls is not torch.nn.Linear else {}
-                layer = cls(k_in, n_out, bias=True, **kw)
-                layer.weight.data, layer.bias.data = ws.clone(), bs.clone()
-                layer = layer.to("cpu").eval()
-                layers.append(layer.to(dtype) if cls is torch.nn.Linear else layer)
+            layers = {
+                "q4": build(qnn.Linear4bit, ws, bs, quant_type="nf4", compute_dtype=dtype).eval(),
+                "bitsandbytes": build(bnb.nn.Linear4bit, ws, bs, quant_type="nf4", compute_dtype=dtype).eval(),
+                "dense": build(torch.nn.Linear, ws, bs).to(dtype).eval(),
+            }
             x = torch.randn(1, k_in).to(dtype)
             with torch.inference_mode():
-                res = interleaved(
-                    {
-                        f"{lib} forward": forward(layer, x)
-                        for lib, layer in zip(("q4", "bitsandbytes", "dense"), layers, strict=True)
-                    }
-                )
+                res = interleaved({f"{lib} forward": forward(layer, x) for lib, layer in layers.items()})
             r = {k: 1e3 * v["median_ms"] for k, v in res.items()}  # microseconds
             r["bnb / q4"] = r["bitsandbytes forward"] / r["q4 forward"]
             r["dense / q4"] = r["dense forward"] / r["q4 forward"]
