@@ -97,6 +97,8 @@ double ns_per_iter(F&& body) {
 #define Q4_TWO_paddd(i) asm("vpaddd %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_vpermps(i) asm("vpermps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_srld(i) asm("vpsrld $4, %1, %0" : "+v"(b##i) : "v"(x));
+#define Q4_TWO_ternlog(i) asm("vpternlogd $0xea, %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_pord(i) asm("vpord %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 
 }  // namespace
 
@@ -136,6 +138,8 @@ int main() {
       {"+ vpmovzxbw", ns_per_iter(Q4_PAIR(zext))},
       {"+ vcvtne2ps2bf16", ns_per_iter(Q4_PAIR(cvt2bf16))},
       {"+ vpsrlw", ns_per_iter(Q4_PAIR(srlw))},
+      {"+ vpternlogd", ns_per_iter(Q4_PAIR(ternlog))},
+      {"+ vpord", ns_per_iter(Q4_PAIR(pord))},
       {"+ vmulps", ns_per_iter(Q4_PAIR(mulps))},
   };
   for (const Row& r : pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);

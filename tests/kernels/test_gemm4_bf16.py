@@ -92,8 +92,9 @@ FORMATS = [(qt, nested, bs) for qt in ("nf4", "fp4") for nested in (False, True)
 
 @pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
-def test_forward_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
-    n, k = 77, 320  # k % blocksize != 0 for 256 / 4096: blocks straddle rows
+@pytest.mark.parametrize("k", [320, 384])  # one x row: 64-element chunks, or 128 (k % 128 == 0)
+def test_forward_matches_oracle(rng, quant_type, nested, blocksize, out_dtype, k):
+    n = 77  # k % blocksize != 0 for 256 / 4096: blocks straddle rows
     packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
     for i, m in enumerate(BATCHES):
         x = bf16_input(rng, (m, k))
@@ -121,6 +122,9 @@ def test_grad_input_matches_oracle(rng, quant_type, nested, blocksize, out_dtype
     "m, n, k, blocksize",
     [
         (1, 130, 4160, 64),  # one x row, k = 65 chunks
+        (1, 130, 4224, 64),  # one x row by 128-element chunks (two blocks each), a last partial W row group
+        (1, 45, 640, 128),  # one x row by 128-element chunks, one block each
+        (1, 29, 1408, 256),  # one x row by 128-element chunks, blocks straddle rows
         (8, 300, 1088, 32),  # gemv, 8 x rows: W row pairs against all of them, one k segment
         (7, 61, 4160, 32),  # gemv, 7 x rows: k segments 2304 + 1856, two scales per chunk
         (6, 45, 5696, 256),  # gemv, 6 x rows: k segments 2688 + 2688 + 320, blocks straddle rows
@@ -218,7 +222,7 @@ def test_denormal_inputs_count_as_zero(rng):
 
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 29, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    n, k = 203, 1216 if m != 8 else 4288  # 8 rows: two k segments
+    n, k = 203, {1: 1280, 8: 4288}.get(m, 1216)  # 1 row: 128-element chunks; 8 rows: two k segments
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = bf16_input(rng, (m, k))
     g = bf16_input(rng, (m, n))

@@ -38,7 +38,10 @@
 //         segments of x that fit L1 (the partial sums kept in memory between
 //         segments). More x rows: groups of <= 4, each decoding the 4 W rows
 //         again (from L1, where the first group's pass left them). The next
-//         row group's bytes are prefetched.
+//         row group's bytes are prefetched. One x row, k % 128 == 0 and
+//         blocksize >= 64: "quad" chunks of 128 elements (one 64-byte line
+//         of a W row indexes the table by shifts alone; x rearranged to
+//         match, gemv_quad).
 //   tiled (m > kGemvMaxM): x packed once into panels of 16 rows ([k/2 pairs]
 //         [16 rows] dwords); tiles of 32 W rows x 256 k decoded into bf16
 //         and reused by every panel in an 8-row x 3-panel register tile (W
@@ -333,6 +336,125 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
 }
 
+// ------------------------------------------- gemv, quad chunks (one x row)
+//
+// With one x row the decode, not the dot products, bounds the gemv. A
+// 128-element chunk of a W row is one 64-byte line of packed bytes; loaded as
+// 32 words, word i holds elements 4i..4i+3 (bits 0-3: 4i+1, 4-7: 4i, 8-11:
+// 4i+3, 12-15: 4i+2), so shifts of the line index the table directly: no
+// widening shuffle (vpmovzxbw) per 64 elements, and with blocksize 64 one
+// table conversion per two blocks (words 0-15 are the first block, 16-31 the
+// second; the table holds the two blocks' values in words 0-15 and 16-31,
+// selected by bit 4 of the index). x is rearranged once per call to match:
+// vector j of a chunk holds the chunk's elements 4i + kQuadPos[j]. Zen 4 (its
+// 512-bit shuffles and shifts share two of the four vector pipes), one
+// thread, 4096^2 bf16, blocksize 64: 0.445 -> 0.40 ms; blocksize 256: 0.46
+// -> 0.34 ms. k % 128 != 0 and blocksize 32 keep the 64-element chunks.
+constexpr int64_t kQuad = 128;
+constexpr int kQuadPos[4] = {1, 0, 3, 2};
+
+// x rearranged for quad chunks: the 4 vectors of chunk c at dst + c, + 32,
+// + 64, + 96.
+inline void quad_x(const uint16_t* src, int64_t len, uint16_t* dst) {
+  __m512i idx[4];
+  for (int j = 0; j < 4; ++j) {
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = uint16_t((4 * i + kQuadPos[j]) & 63);
+    idx[j] = _mm512_load_si512(t);
+  }
+  for (int64_t c = 0; c < len; c += kQuad) {
+    const __m512i a0 = _mm512_loadu_si512(src + c), a1 = _mm512_loadu_si512(src + c + 32);
+    const __m512i a2 = _mm512_loadu_si512(src + c + 64), a3 = _mm512_loadu_si512(src + c + 96);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i lo = _mm512_permutex2var_epi16(a0, idx[j], a1), hi = _mm512_permutex2var_epi16(a2, idx[j], a3);
+      _mm512_storeu_si512(dst + c + 32 * j, _mm512_mask_mov_epi16(lo, 0xFFFF0000u, hi));
+    }
+  }
+}
+
+// Bit 4 of every byte of words 16-31 (the second block's half of the table).
+inline __m512i upper_half_bytes() { return _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(0x1010), 1); }
+
+// The 4 table indices of a quad chunk's line w. SPC = 1: every nibble is
+// masked alone into its byte, bit 4 of the byte set in words 16-31 (two
+// ternary ops and three shifts; masking each of the four shifted lines
+// measured 0.445 against 0.40 ms: the shifts and logic ops are what fill the
+// pipes here). SPC = 0: the table is stored twice, the stray bits do not
+// matter.
+template <int SPC>
+__attribute__((always_inline)) inline void quad_index(__m512i w, __m512i upper, __m512i (&ix)[4]) {
+  if constexpr (SPC == 1) {
+    const __m512i m = _mm512_set1_epi16(0x0F0F);
+    const __m512i lo = _mm512_ternarylogic_epi32(w, m, upper, 0xea);  // (w & m) | upper
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), m, upper, 0xea);
+    ix[0] = lo;
+    ix[1] = hi;
+    ix[2] = _mm512_srli_epi16(lo, 8);
+    ix[3] = _mm512_srli_epi16(hi, 8);
+  } else {
+    ix[0] = w;
+    ix[1] = _mm512_srli_epi16(w, 4);
+    ix[2] = _mm512_srli_epi16(w, 8);
+    ix[3] = _mm512_srli_epi16(w, 12);
+  }
+}
+
+// gemv_tile for one x row (H = 2) by quad chunks: x = g.xq in the quad
+// layout; SPC 1 (blocksize 64) or 0 (blocksize >= 128: one block per chunk).
+template <int R, int SPC>
+void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, __m512* acc_mem, int64_t lda,
+               KRange kr) {
+  static_assert(SPC == 0 || SPC == 1, "quad chunks: blocksize >= 64");
+  const int64_t k = g.k;
+  const __m512i upper = upper_half_bytes();
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < 2; ++h) acc[i][h] = kr.resume ? acc_mem[i * lda + h] : _mm512_setzero_ps();
+  const unsigned shift = unsigned(g.shift);
+  uint64_t frow[R];
+  for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
+  const int64_t row_bytes = k >> 1, row_scales = SPC > 0 ? k >> shift : 0;
+  const uint8_t* wb = g.packed + ((frow[0] + uint64_t(kr.c0)) >> 1);                   // row r0 at chunk c
+  const float* sb = sc + (((frow[0] + uint64_t(kr.c0)) >> shift) - uint64_t(b_base));  // (SPC = 1) its scales
+  const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
+  const int64_t pf_bytes = int64_t(pf_dist >> 1);
+  const bool pf = frow[R - 1] + pf_dist + uint64_t(k) <= uint64_t(g.size);
+  // row i's table at chunk c (s: its scales there when SPC = 1), made one
+  // chunk ahead as in gemv_tile
+  auto table = [&](int i, int64_t c, const float* s) -> __m512i {
+    if constexpr (SPC == 1) {
+      const __m512 a = _mm512_mul_ps(g.codes, _mm512_set1_ps(s[0]));
+      const __m512 b = _mm512_mul_ps(g.codes, _mm512_set1_ps(s[1]));
+      return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
+    } else {
+      return chunk_table<false>(g.codes, sc[((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base)], 0.0f);
+    }
+  };
+  __m512i tab_next[R];
+  for (int i = 0; i < R; ++i) tab_next[i] = table(i, kr.c0, sb + i * row_scales);
+  for (int64_t c = kr.c0; c < kr.c1; c += kQuad, wb += kQuad / 2, sb += 2 * SPC) {
+    const uint16_t* x = g.xq + c;
+    const __m512i x0 = _mm512_load_si512(x), x1 = _mm512_load_si512(x + 32);
+    const __m512i x2 = _mm512_load_si512(x + 64), x3 = _mm512_load_si512(x + 96);
+    const bool more = c + kQuad < kr.c1;
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i tab = tab_next[i];
+      if (more) tab_next[i] = table(i, c + kQuad, sb + i * row_scales + 2 * SPC);
+      const uint8_t* bytes = wb + i * row_bytes;
+      if (pf) prefetch_stream(bytes + pf_bytes);  // one line per row and chunk
+      __m512i ix[4];
+      quad_index<SPC>(_mm512_loadu_si512(bytes), upper, ix);
+      acc[i][0] = dot(acc[i][0], _mm512_permutexvar_epi16(ix[0], tab), x0);
+      acc[i][1] = dot(acc[i][1], _mm512_permutexvar_epi16(ix[1], tab), x1);
+      acc[i][0] = dot(acc[i][0], _mm512_permutexvar_epi16(ix[2], tab), x2);
+      acc[i][1] = dot(acc[i][1], _mm512_permutexvar_epi16(ix[3], tab), x3);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < 2; ++h) acc_mem[i * lda + h] = acc[i][h];
+}
+
 // 5-8 x rows ("wide"): one group, each W row pair decoded once for all of
 // them, x read from L1 by the dot products in k segments of <= kWideXBytes of
 // x (one thread, 4096^2, against groups of <= 4 decoding W again per group:
@@ -380,9 +502,12 @@ template <typename OutT, typename BiasT, int SPC>
 void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const bool wide = m > kGemvGroup && m <= kWideGroup;
+  const bool quad = SPC < 2 && m == 1 && k % kQuad == 0;  // quad chunks
   // deinterleaved x, one pass (caller's scratch)
   uint16_t* xq = scratch_as<uint16_t>(kSlotPanels, m * k * 2);
-  {
+  if (quad) {
+    quad_x(static_cast<const uint16_t*>(p.x), k, xq);
+  } else {
     const uint16_t* x = static_cast<const uint16_t*>(p.x);
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
     for (int64_t i = 0; i < m * k; i += kChunk) {
@@ -420,6 +545,16 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
           __m512* a = acc + (r - rb) * lda;
           for (int64_t j0 = 0; j0 < m; j0 += gsize) {
             const int M = int(min64(gsize, m - j0));
+            if constexpr (SPC < 2) {
+              if (quad) {
+                if (rows == kGemvR) {
+                  gemv_quad<kGemvR, SPC>(g, r, sc, b0, a, lda, kr);
+                } else {
+                  for (int i = 0; i < rows; ++i) gemv_quad<1, SPC>(g, r + i, sc, b0, a + i * lda, lda, kr);
+                }
+                continue;
+              }
+            }
             if (rows == kGemvR && M > kGemvGroup) {
               for (int i = 0; i < kGemvR; i += kWideR)
                 gemv_rows<kWideR, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda, kr);
