@@ -125,6 +125,8 @@ def test_grad_input_matches_oracle(rng, quant_type, nested, blocksize, out_dtype
         (1, 130, 4224, 64),  # one x row by 128-element chunks (two blocks each), a last partial W row group
         (1, 45, 640, 128),  # one x row by 128-element chunks, one block each
         (1, 29, 1408, 256),  # one x row by 128-element chunks, blocks straddle rows
+        (2, 130, 4224, 64),  # two x rows by 128-element chunks, a last partial W row group
+        (2, 29, 1408, 256),  # two x rows by 128-element chunks, blocks straddle rows
         (8, 300, 1088, 32),  # gemv, 8 x rows: W row pairs against all of them, one k segment
         (7, 61, 4160, 32),  # gemv, 7 x rows: k segments 2304 + 1856, two scales per chunk
         (6, 45, 5696, 256),  # gemv, 6 x rows: k segments 2688 + 2688 + 320, blocks straddle rows
@@ -220,9 +222,9 @@ def test_denormal_inputs_count_as_zero(rng):
     )
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 16, 17, 29, 130])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 29, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    n, k = 203, {1: 1280, 8: 4288}.get(m, 1216)  # 1 row: 128-element chunks; 8 rows: two k segments
+    n, k = 203, {1: 1280, 2: 1280, 8: 4288}.get(m, 1216)  # 1-2 rows: 128-element chunks; 8: two k segments
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = bf16_input(rng, (m, k))
     g = bf16_input(rng, (m, n))

@@ -38,7 +38,7 @@
 //         segments of x that fit L1 (the partial sums kept in memory between
 //         segments). More x rows: groups of <= 4, each decoding the 4 W rows
 //         again (from L1, where the first group's pass left them). The next
-//         row group's bytes are prefetched. One x row, k % 128 == 0 and
+//         row group's bytes are prefetched. One or two x rows, k % 128 == 0 and
 //         blocksize >= 64: "quad" chunks of 128 elements (one 64-byte line
 //         of a W row indexes the table by shifts alone; x rearranged to
 //         match, gemv_quad).
@@ -336,9 +336,9 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
 }
 
-// ------------------------------------------- gemv, quad chunks (one x row)
+// ------------------------------------ gemv, quad chunks (one or two x rows)
 //
-// With one x row the decode, not the dot products, bounds the gemv. A
+// With one or two x rows the decode, not the dot products, bounds the gemv. A
 // 128-element chunk of a W row is one 64-byte line of packed bytes; loaded as
 // 32 words, word i holds elements 4i..4i+3 (bits 0-3: 4i+1, 4-7: 4i, 8-11:
 // 4i+3, 12-15: 4i+2), so shifts of the line index the table directly: no
@@ -349,7 +349,10 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
 // vector j of a chunk holds the chunk's elements 4i + kQuadPos[j]. Zen 4 (its
 // 512-bit shuffles and shifts share two of the four vector pipes), one
 // thread, 4096^2 bf16, blocksize 64: 0.445 -> 0.40 ms; blocksize 256: 0.46
-// -> 0.34 ms. k % 128 != 0 and blocksize 32 keep the 64-element chunks.
+// -> 0.34 ms; two x rows (blocksize 64) 0.607 -> 0.533-0.557 ms. k % 128 !=
+// 0 and blocksize 32 keep the 64-element chunks; with 3-4 x rows the x
+// vectors of a chunk (4 per row) no longer fit the registers beside the
+// accumulators.
 constexpr int64_t kQuad = 128;
 constexpr int kQuadPos[4] = {1, 0, 3, 2};
 
@@ -399,17 +402,21 @@ __attribute__((always_inline)) inline void quad_index(__m512i w, __m512i upper, 
   }
 }
 
-// gemv_tile for one x row (H = 2) by quad chunks: x = g.xq in the quad
-// layout; SPC 1 (blocksize 64) or 0 (blocksize >= 128: one block per chunk).
-template <int R, int SPC>
+// gemv_tile for M = 1 or 2 x rows (H = 2 accumulators per output for one x
+// row, else 1) by quad chunks: x = g.xq in the quad layout, row j at j * k;
+// SPC 1 (blocksize 64) or 0 (blocksize >= 128: one block per chunk).
+template <int R, int M, int SPC>
 void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, __m512* acc_mem, int64_t lda,
                KRange kr) {
   static_assert(SPC == 0 || SPC == 1, "quad chunks: blocksize >= 64");
+  static_assert(M == 1 || M == 2, "quad chunks: x in registers");
+  constexpr int H = M == 1 ? 2 : 1;
   const int64_t k = g.k;
   const __m512i upper = upper_half_bytes();
-  __m512 acc[R][2];
+  __m512 acc[R][M][H];
   for (int i = 0; i < R; ++i)
-    for (int h = 0; h < 2; ++h) acc[i][h] = kr.resume ? acc_mem[i * lda + h] : _mm512_setzero_ps();
+    for (int j = 0; j < M; ++j)
+      for (int h = 0; h < H; ++h) acc[i][j][h] = kr.resume ? acc_mem[i * lda + j * H + h] : _mm512_setzero_ps();
   const unsigned shift = unsigned(g.shift);
   uint64_t frow[R];
   for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
@@ -433,9 +440,9 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
   __m512i tab_next[R];
   for (int i = 0; i < R; ++i) tab_next[i] = table(i, kr.c0, sb + i * row_scales);
   for (int64_t c = kr.c0; c < kr.c1; c += kQuad, wb += kQuad / 2, sb += 2 * SPC) {
-    const uint16_t* x = g.xq + c;
-    const __m512i x0 = _mm512_load_si512(x), x1 = _mm512_load_si512(x + 32);
-    const __m512i x2 = _mm512_load_si512(x + 64), x3 = _mm512_load_si512(x + 96);
+    __m512i xv[M][4];
+    for (int j = 0; j < M; ++j)
+      for (int q = 0; q < 4; ++q) xv[j][q] = _mm512_load_si512(g.xq + j * k + c + 32 * q);
     const bool more = c + kQuad < kr.c1;
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
@@ -445,14 +452,16 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
       if (pf) prefetch_stream(bytes + pf_bytes);  // one line per row and chunk
       __m512i ix[4];
       quad_index<SPC>(_mm512_loadu_si512(bytes), upper, ix);
-      acc[i][0] = dot(acc[i][0], _mm512_permutexvar_epi16(ix[0], tab), x0);
-      acc[i][1] = dot(acc[i][1], _mm512_permutexvar_epi16(ix[1], tab), x1);
-      acc[i][0] = dot(acc[i][0], _mm512_permutexvar_epi16(ix[2], tab), x2);
-      acc[i][1] = dot(acc[i][1], _mm512_permutexvar_epi16(ix[3], tab), x3);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m512i wq = _mm512_permutexvar_epi16(ix[q], tab);
+        for (int j = 0; j < M; ++j) acc[i][j][q % H] = dot(acc[i][j][q % H], wq, xv[j][q]);
+      }
     }
   }
   for (int i = 0; i < R; ++i)
-    for (int h = 0; h < 2; ++h) acc_mem[i * lda + h] = acc[i][h];
+    for (int j = 0; j < M; ++j)
+      for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
 }
 
 // 5-8 x rows ("wide"): one group, each W row pair decoded once for all of
@@ -502,11 +511,11 @@ template <typename OutT, typename BiasT, int SPC>
 void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const bool wide = m > kGemvGroup && m <= kWideGroup;
-  const bool quad = SPC < 2 && m == 1 && k % kQuad == 0;  // quad chunks
+  const bool quad = SPC < 2 && m <= 2 && k % kQuad == 0;  // quad chunks
   // deinterleaved x, one pass (caller's scratch)
   uint16_t* xq = scratch_as<uint16_t>(kSlotPanels, m * k * 2);
   if (quad) {
-    quad_x(static_cast<const uint16_t*>(p.x), k, xq);
+    for (int64_t j = 0; j < m; ++j) quad_x(static_cast<const uint16_t*>(p.x) + j * k, k, xq + j * k);
   } else {
     const uint16_t* x = static_cast<const uint16_t*>(p.x);
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
@@ -523,8 +532,8 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   // x groups of at most 4 rows, as even as possible, or one (wide)
   const int groups = wide ? 1 : int(ceil_div(m, kGemvGroup));
   const int64_t gsize = ceil_div(m, groups);
-  const int H = m <= 2 ? 2 : 1;
-  const int64_t lda = m * H;  // vectors per W row in acc
+  const int H = m == 1 || (m == 2 && !quad) ? 2 : 1;  // accumulators per output
+  const int64_t lda = m * H;                          // vectors per W row in acc
   // wide: k in segments whose x rows stay in L1
   const int64_t kseg = wide ? max64(kChunk, kWideXBytes / (2 * m) / kChunk * kChunk) : k;
   parallel_for(ceil_div(n, kGemvR), 16, [&](int64_t t0, int64_t t1) {
@@ -548,9 +557,13 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
             if constexpr (SPC < 2) {
               if (quad) {
                 if (rows == kGemvR) {
-                  gemv_quad<kGemvR, SPC>(g, r, sc, b0, a, lda, kr);
+                  if (m == 1) gemv_quad<kGemvR, 1, SPC>(g, r, sc, b0, a, lda, kr);
+                  if (m == 2) gemv_quad<kGemvR, 2, SPC>(g, r, sc, b0, a, lda, kr);
                 } else {
-                  for (int i = 0; i < rows; ++i) gemv_quad<1, SPC>(g, r + i, sc, b0, a + i * lda, lda, kr);
+                  for (int i = 0; i < rows; ++i) {
+                    if (m == 1) gemv_quad<1, 1, SPC>(g, r + i, sc, b0, a + i * lda, lda, kr);
+                    if (m == 2) gemv_quad<1, 2, SPC>(g, r + i, sc, b0, a + i * lda, lda, kr);
+                  }
                 }
                 continue;
               }
