@@ -92,7 +92,7 @@ FORMATS = [(qt, nested, bs) for qt in ("nf4", "fp4") for nested in (False, True)
 
 @pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("k", [320, 384])  # one x row: 64-element chunks, or 128 (k % 128 == 0)
+@pytest.mark.parametrize("k", [320, 384])  # one or two x rows: 64-element chunks, or 128 (k % 128 == 0)
 def test_forward_matches_oracle(rng, quant_type, nested, blocksize, out_dtype, k):
     n = 77  # k % blocksize != 0 for 256 / 4096: blocks straddle rows
     packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)

@@ -232,6 +232,39 @@ struct KRange {
   bool resume;
 };
 
+// The W rows [r0, r0 + R) of a gemv tile from column c0 on: row r0 + i's
+// bytes at wb + i * row_bytes and (SPC > 0) its scales at sb + i *
+// row_scales, both pointers advanced per chunk by the tile (k is a multiple
+// of 64: with blocksize 32 or 64 every row starts a block); with SPC = 0 a
+// row's block is found per chunk (scales_at). The prefetch distance stays
+// inside W for the whole tile, or the tile does not prefetch (pf false: the
+// last row groups). sc[b - b_base] = scale of block b.
+template <int R, int SPC>
+struct TileRows {
+  const float* sc;
+  uint64_t b_base;
+  unsigned shift;
+  uint64_t frow[R];  // W element index of each row's start
+  int64_t row_bytes, row_scales, pf_bytes;
+  const uint8_t* wb;
+  const float* sb;
+  bool pf;
+
+  TileRows(const GemvArgs& g, int64_t r0, const float* scales, int64_t base, int64_t c0)
+      : sc(scales), b_base(uint64_t(base)), shift(unsigned(g.shift)) {
+    for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * g.k);
+    row_bytes = g.k >> 1;
+    row_scales = SPC > 0 ? g.k >> shift : 0;
+    wb = g.packed + ((frow[0] + uint64_t(c0)) >> 1);
+    sb = scales_at(0, c0);
+    const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * g.k);
+    pf_bytes = int64_t(pf_dist >> 1);
+    pf = frow[R - 1] + pf_dist + uint64_t(g.k) <= uint64_t(g.size);
+  }
+  // row i's scales from the block holding column c on
+  const float* scales_at(int i, int64_t c) const { return sc + (((frow[i] + uint64_t(c)) >> shift) - b_base); }
+};
+
 // R W rows (from r0) against M deinterleaved x rows (from j0), over the
 // columns kr: the 16-lane partial sums of output (i, j) are written to
 // acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
@@ -251,21 +284,9 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
     for (int j = 0; j < M; ++j)
       for (int h = 0; h < H; ++h) acc[i][j][h] = kr.resume ? acc_mem[i * lda + j * H + h] : _mm512_setzero_ps();
   const uint16_t* x = g.xq + j0 * k;
-  // W row r0 + i at chunk c: its bytes at wb + i * row_bytes and (SPC > 0)
-  // its scales at sb + i * row_scales, both pointers advanced per chunk (k is
-  // a multiple of 64: with blocksize 32 or 64 every row starts a block); with
-  // SPC = 0 the block index is computed per chunk. The prefetch distance
-  // stays inside W for the whole tile, or the tile does not prefetch (the
-  // last row groups).
-  const unsigned shift = unsigned(g.shift);
-  uint64_t frow[R];
-  for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
-  const int64_t row_bytes = k >> 1, row_scales = SPC > 0 ? k >> shift : 0;
-  const uint8_t* wb = g.packed + ((frow[0] + uint64_t(kr.c0)) >> 1);                   // row r0 at chunk c
-  const float* sb = sc + (((frow[0] + uint64_t(kr.c0)) >> shift) - uint64_t(b_base));  // (SPC > 0) its scales
-  const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
-  const int64_t pf_bytes = int64_t(pf_dist >> 1);
-  const bool pf = frow[R - 1] + pf_dist + uint64_t(k) <= uint64_t(g.size);
+  const TileRows<R, SPC> t(g, r0, sc, b_base, kr.c0);
+  const uint8_t* wb = t.wb;  // row r0 at chunk c
+  const float* sb = t.sb;    // (SPC > 0) its scales
   // Blocksize 64: each row's table is made one chunk ahead, and with one x
   // row its bytes are also loaded and widened one chunk ahead, so that the
   // multiply, the conversion and the load are off the path to the chunk's
@@ -284,11 +305,11 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
   constexpr bool ROWWISE = !XMEM && (SPC > 0 && (M == 4 || (M == 2 && H == 2)));
   __m512i tab_next[R], v_next[R];
   for (int i = 0; i < R; ++i) {
-    if (TAB_AHEAD) tab_next[i] = chunk_table<false>(g.codes, sb[i * row_scales], 0.0f);
-    if (LOAD_AHEAD) v_next[i] = widen_chunk(wb + i * row_bytes);
+    if (TAB_AHEAD) tab_next[i] = chunk_table<false>(g.codes, sb[i * t.row_scales], 0.0f);
+    if (LOAD_AHEAD) v_next[i] = widen_chunk(wb + i * t.row_bytes);
   }
   for (int64_t c = kr.c0; c < kr.c1; c += kChunk, wb += kChunk / 2, sb += SPC) {
-    const bool pf_now = pf && (c & kChunk) == 0;
+    const bool pf_now = t.pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
     __m512i xe[XMEM ? 1 : M], xo[XMEM ? 1 : M];
@@ -302,7 +323,7 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
     Chunk w[R];
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const float* s = SPC > 0 ? sb + i * row_scales : sc + (((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base));
+      const float* s = SPC > 0 ? sb + i * t.row_scales : t.scales_at(i, c);
       const bool more = c + kChunk < kr.c1;
       __m512i tab;
       if (TAB_AHEAD) {
@@ -311,11 +332,11 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       } else {
         tab = chunk_table<TWO>(g.codes, s[0], TWO ? s[1] : 0.0f);
       }
-      const uint8_t* bytes = wb + i * row_bytes;
+      const uint8_t* bytes = wb + i * t.row_bytes;
       // W is streamed once (from L3 or DRAM): ask for the same chunk of the
       // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
       // the R interleaved row streams), one 64-byte line per two chunks
-      if (pf_now) prefetch_stream(bytes + pf_bytes);
+      if (pf_now) prefetch_stream(bytes + t.pf_bytes);
       if (LOAD_AHEAD) {
         w[i] = lookup_chunk<false>(v_next[i], tab, half);
         if (more) v_next[i] = widen_chunk(bytes + kChunk / 2);
@@ -417,15 +438,9 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < M; ++j)
       for (int h = 0; h < H; ++h) acc[i][j][h] = kr.resume ? acc_mem[i * lda + j * H + h] : _mm512_setzero_ps();
-  const unsigned shift = unsigned(g.shift);
-  uint64_t frow[R];
-  for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * k);
-  const int64_t row_bytes = k >> 1, row_scales = SPC > 0 ? k >> shift : 0;
-  const uint8_t* wb = g.packed + ((frow[0] + uint64_t(kr.c0)) >> 1);                   // row r0 at chunk c
-  const float* sb = sc + (((frow[0] + uint64_t(kr.c0)) >> shift) - uint64_t(b_base));  // (SPC = 1) its scales
-  const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * k);
-  const int64_t pf_bytes = int64_t(pf_dist >> 1);
-  const bool pf = frow[R - 1] + pf_dist + uint64_t(k) <= uint64_t(g.size);
+  const TileRows<R, SPC> t(g, r0, sc, b_base, kr.c0);
+  const uint8_t* wb = t.wb;  // row r0 at chunk c
+  const float* sb = t.sb;    // (SPC > 0) its scales
   // row i's table at chunk c (s: its scales there when SPC = 1), made one
   // chunk ahead as in gemv_tile
   auto table = [&](int i, int64_t c, const float* s) -> __m512i {
@@ -434,11 +449,11 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
       const __m512 b = _mm512_mul_ps(g.codes, _mm512_set1_ps(s[1]));
       return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
     } else {
-      return chunk_table<false>(g.codes, sc[((frow[i] + uint64_t(c)) >> shift) - uint64_t(b_base)], 0.0f);
+      return chunk_table<false>(g.codes, *t.scales_at(i, c), 0.0f);
     }
   };
   __m512i tab_next[R];
-  for (int i = 0; i < R; ++i) tab_next[i] = table(i, kr.c0, sb + i * row_scales);
+  for (int i = 0; i < R; ++i) tab_next[i] = table(i, kr.c0, sb + i * t.row_scales);
   for (int64_t c = kr.c0; c < kr.c1; c += kQuad, wb += kQuad / 2, sb += 2 * SPC) {
     __m512i xv[M][4];
     for (int j = 0; j < M; ++j)
@@ -447,9 +462,9 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m512i tab = tab_next[i];
-      if (more) tab_next[i] = table(i, c + kQuad, sb + i * row_scales + 2 * SPC);
-      const uint8_t* bytes = wb + i * row_bytes;
-      if (pf) prefetch_stream(bytes + pf_bytes);  // one line per row and chunk
+      if (more) tab_next[i] = table(i, c + kQuad, sb + i * t.row_scales + 2 * SPC);
+      const uint8_t* bytes = wb + i * t.row_bytes;
+      if (t.pf) prefetch_stream(bytes + t.pf_bytes);  // one line per row and chunk
       __m512i ix[4];
       quad_index<SPC>(_mm512_loadu_si512(bytes), upper, ix);
 #pragma GCC unroll 4
