@@ -232,6 +232,22 @@ struct KRange {
   bool resume;
 };
 
+// A gemv tile's accumulators (output (i, j)'s h-th at mem[i * lda + j * H +
+// h]): from mem when the tile resumes a pass, else zero; and back.
+template <int R, int M, int H>
+__attribute__((always_inline)) inline void load_acc(__m512 (&acc)[R][M][H], const __m512* mem, int64_t lda,
+                                                    bool resume) {
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j)
+      for (int h = 0; h < H; ++h) acc[i][j][h] = resume ? mem[i * lda + j * H + h] : _mm512_setzero_ps();
+}
+template <int R, int M, int H>
+__attribute__((always_inline)) inline void store_acc(const __m512 (&acc)[R][M][H], __m512* mem, int64_t lda) {
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j)
+      for (int h = 0; h < H; ++h) mem[i * lda + j * H + h] = acc[i][j][h];
+}
+
 // The W rows [r0, r0 + R) of a gemv tile from column c0 on: row r0 + i's
 // bytes at wb + i * row_bytes and (SPC > 0) its scales at sb + i *
 // row_scales, both pointers advanced per chunk by the tile (k is a multiple
@@ -280,9 +296,7 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
   const int64_t k = g.k;
   const __m512i half = upper_half_bit();
   __m512 acc[R][M][H];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < M; ++j)
-      for (int h = 0; h < H; ++h) acc[i][j][h] = kr.resume ? acc_mem[i * lda + j * H + h] : _mm512_setzero_ps();
+  load_acc(acc, acc_mem, lda, kr.resume);
   const uint16_t* x = g.xq + j0 * k;
   const TileRows<R, SPC> t(g, r0, sc, b_base, kr.c0);
   const uint8_t* wb = t.wb;  // row r0 at chunk c
@@ -352,9 +366,7 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       for (int i = 0; i < R; ++i) dot_row<M, H>(acc[i], w[i], xe, xo);
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < M; ++j)
-      for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
+  store_acc(acc, acc_mem, lda);
 }
 
 // ------------------------------------ gemv, quad chunks (one or two x rows)
@@ -435,9 +447,7 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
   const int64_t k = g.k;
   const __m512i upper = upper_half_bytes();
   __m512 acc[R][M][H];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < M; ++j)
-      for (int h = 0; h < H; ++h) acc[i][j][h] = kr.resume ? acc_mem[i * lda + j * H + h] : _mm512_setzero_ps();
+  load_acc(acc, acc_mem, lda, kr.resume);
   const TileRows<R, SPC> t(g, r0, sc, b_base, kr.c0);
   const uint8_t* wb = t.wb;  // row r0 at chunk c
   const float* sb = t.sb;    // (SPC > 0) its scales
@@ -474,9 +484,7 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
       }
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < M; ++j)
-      for (int h = 0; h < H; ++h) acc_mem[i * lda + j * H + h] = acc[i][j][h];
+  store_acc(acc, acc_mem, lda);
 }
 
 // 5-8 x rows ("wide"): one group, each W row pair decoded once for all of
