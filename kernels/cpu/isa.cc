@@ -4,6 +4,8 @@
 // the processor lacks is an error (Q4_ISA is checked by the Python loader,
 // which refuses unknown names; here an unusable value falls back to the best
 // level).
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -158,6 +160,22 @@ Status set_cpu_isa(int32_t isa) {
   return Status::Ok();
 }
 
+int64_t cpu_l1d_bytes() {
+  static const int64_t bytes = [] {
+    if (const char* v = std::getenv("Q4_L1D_BYTES")) {
+      char* end = nullptr;
+      const long long n = std::strtoll(v, &end, 10);
+      if (end != v && *end == '\0' && n > 0) return int64_t(n);
+    }
+#if defined(_SC_LEVEL1_DCACHE_SIZE)
+    const long n = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    if (n > 0) return int64_t(n);
+#endif
+    return int64_t(32) << 10;
+  }();
+  return bytes;
+}
+
 std::string cpu_features_json() {
   const Features& f = features();
   std::string s = "{\"features\": {";
@@ -170,7 +188,8 @@ std::string cpu_features_json() {
   json_bool(s, "amx_bf16", f.amx_bf16);
   s += std::string("\"amx_int8\": ") + (f.amx_int8 ? "true" : "false") + "}, ";
   s += std::string("\"best_isa\": \"") + kLevelNames[best_isa()] + "\", ";
-  s += std::string("\"isa\": \"") + kLevelNames[cpu_isa()] + "\", \"kernels\": {";
+  s += std::string("\"isa\": \"") + kLevelNames[cpu_isa()] + "\", ";
+  s += "\"l1d_bytes\": " + std::to_string(cpu_l1d_bytes()) + ", \"kernels\": {";
   const cpu::KernelTable& t = cpu::kernel_table();
   const char* names[cpu::kMaxChain];
   for (int i = 0; i < t.gemm4.size; ++i) names[i] = t.gemm4.entries[i].name;

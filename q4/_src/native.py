@@ -109,7 +109,7 @@ def _load() -> ctypes.CDLL:
     global _lib, _path
     if _lib is not None:
         return _lib
-    _check_isa_env()
+    _check_env()
     tried = []
     for path in _candidates():
         if not path.exists():
@@ -190,11 +190,16 @@ def cuda_device_count() -> int:
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
 
 
-def _check_isa_env() -> None:
-    """Q4_ISA must name a level (the library itself falls back silently)."""
+def _check_env() -> None:
+    """Q4_ISA must name a level, Q4_L1D_BYTES (the L1 data cache size the
+    kernels tune for, instead of the detected one) be a positive byte count:
+    the library itself ignores a value it cannot use."""
     env = os.environ.get("Q4_ISA")
     if env is not None and env not in ISA_NAMES.values():
         raise NativeLibraryError(f"Q4_ISA must be one of {', '.join(ISA_NAMES.values())}, got {env!r}")
+    env = os.environ.get("Q4_L1D_BYTES")
+    if env is not None and not (env.isascii() and env.isdigit() and int(env) > 0):
+        raise NativeLibraryError(f"Q4_L1D_BYTES must be a positive number of bytes, got {env!r}")
 
 
 def cpu_isa() -> str:
@@ -227,7 +232,9 @@ def cpu_has_avx512_bf16() -> bool:
 
 def cpu_features() -> dict:
     """What the processor supports and what the kernels use: ``features``
-    (cpuid + OS state), ``best_isa``, ``isa`` (active level), ``kernels``
+    (cpuid + OS state), ``best_isa``, ``isa`` (active level), ``l1d_bytes``
+    (the L1 data cache size the kernels tune for: env Q4_L1D_BYTES, else
+    the operating system's figure), ``kernels``
     (each op's kernel chain, tried in order) and ``last_kernel`` (the kernel
     each op ran last, '' before the first call)."""
     return json.loads(lib().q4_cpu_features_json().decode())

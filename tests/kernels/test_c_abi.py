@@ -158,3 +158,19 @@ def test_op_list_parser_reads_c_declarations():
         "a": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p],
         "b": [ctypes.c_void_p],
     }
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("Q4_ISA", "avx1024", "Q4_ISA must be one of .*'avx1024'"),
+        ("Q4_L1D_BYTES", "48k", "Q4_L1D_BYTES must be a positive number of bytes, got '48k'"),
+        ("Q4_L1D_BYTES", "0", "got '0'"),
+        ("Q4_L1D_BYTES", "-1", "got '-1'"),
+    ],
+)
+def test_bad_tuning_environment_is_refused(monkeypatch, name, value, message):
+    """The loader names a bad Q4_ISA / Q4_L1D_BYTES (the library would ignore it)."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(native.NativeLibraryError, match=message):
+        native._check_env()

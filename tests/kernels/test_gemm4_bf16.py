@@ -23,6 +23,11 @@ fp16, 0 for fp32, as acc is already fp32).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -242,6 +247,55 @@ def test_bit_identical_across_thread_counts(rng, m):
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert a.tobytes() == b.tobytes()
+
+
+# 5-8 x rows ("wide") split k into segments of x only on a processor with a
+# 48 KiB L1D (gemm4.cc kWideSegmentL1d); Q4_L1D_BYTES stands in for the cache
+# size, so both ways run on any processor: (m, n, k) and the segments they make.
+WIDE_SEGMENTS = [(8, 67, 4288), (7, 61, 4160), (5, 130, 6592)]  # 2048 x 2 + 192; 2304 + 1856; 3264 x 2 + 64
+
+
+def wide_outputs(l1d_bytes: int, tmp_path: Path) -> dict:
+    """The wide shapes' forward outputs from a fresh process that takes the L1D
+    to be l1d_bytes (the size is read once per process)."""
+    out = tmp_path / f"wide_{l1d_bytes}.npz"
+    code = (
+        "import ml_dtypes\n"
+        "import numpy as np\n"
+        "from reference.matmul import quantized_weight\n"
+        "import q4\n"
+        "q4.set_cpu_isa('avx512_bf16')\n"
+        "res = {'l1d': np.int64(q4.cpu_features()['l1d_bytes'])}\n"
+        f"for i, (m, n, k) in enumerate({WIDE_SEGMENTS!r}):\n"
+        "    rng = np.random.default_rng(100 + i)\n"
+        "    packed, state, _ = quantized_weight(rng, n, k, 64, 'nf4', True)\n"
+        "    x = (rng.standard_normal((m, k)) * 3).astype(np.float32).astype(ml_dtypes.bfloat16)\n"
+        "    res[f'y{i}'] = q4.gemm_4bit(x, packed, state, out_dtype='float32')\n"
+        "    assert q4.cpu_features()['last_kernel']['gemm_4bit'] == 'avx512_bf16.gemm4'\n"
+        f"np.savez({str(out)!r}, **res)\n"
+    )
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, Q4_L1D_BYTES=str(l1d_bytes))
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir, *filter(None, [env.get("PYTHONPATH")])])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    with np.load(out) as f:
+        return dict(f)
+
+
+def test_wide_k_segments_change_no_bit(rng, tmp_path):
+    """Batch 5-8 computes the same bits with k in segments (a 48 KiB L1D) and
+    in one pass (32 KiB): a segment's partial sums are stored and reloaded
+    exactly, the additions stay in order. Both are also checked against the
+    oracle here, in this process (as detected)."""
+    seg, one = wide_outputs(48 << 10, tmp_path), wide_outputs(32 << 10, tmp_path)
+    assert int(seg["l1d"]) == 48 << 10 and int(one["l1d"]) == 32 << 10
+    for i, (m, n, k) in enumerate(WIDE_SEGMENTS):
+        r = np.random.default_rng(100 + i)
+        packed, state, w32 = make_weight(r, n, k, 64, "nf4", True)
+        x = (r.standard_normal((m, k)) * 3).astype(np.float32).astype(BF16)
+        y = forward(x, packed, state, w32, "float32", what=f"wide {(m, n, k)}")
+        assert seg[f"y{i}"].tobytes() == one[f"y{i}"].tobytes() == y.tobytes(), (m, n, k)
 
 
 def test_misaligned_inputs(rng):

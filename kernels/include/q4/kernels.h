@@ -275,6 +275,10 @@ Status set_cpu_isa(int32_t isa);  // force one (scalar always; others if support
 // Detected features, the active level, each op's kernel chain and the kernel
 // each op last ran, as a JSON object.
 std::string cpu_features_json();
+// The L1 data cache size the kernels tune their blocking for: env
+// Q4_L1D_BYTES (a positive byte count; the Python loader refuses anything
+// else), else the OS's figure (sysconf), else 32 KiB. Read once.
+int64_t cpu_l1d_bytes();
 int cpu_num_threads();
 void set_cpu_num_threads(int n);  // n <= 0: back to the default
 

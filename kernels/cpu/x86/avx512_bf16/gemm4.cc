@@ -34,9 +34,9 @@
 //         to 4 x rows held in registers; each output keeps 16 fp32 lanes of
 //         partial sums (two sets for m <= 2), summed at the end. 5-8 x rows
 //         (kWideGroup): W rows decoded 2 at a time and dotted with every x
-//         row, read from L1 (x stored chunk by chunk, [k/64][m][64]), in k
-//         segments of x that fit L1 (the partial sums kept in memory between
-//         segments). More x rows: groups of <= 4, each decoding the 4 W rows
+//         row, read from L1 (x stored chunk by chunk, [k/64][m][64]); with
+//         a 48 KiB L1D in k segments of x that fit it (the partial sums kept
+//         in memory between segments). More x rows: groups of <= 4, each decoding the 4 W rows
 //         again (from L1, where the first group's pass left them). The next
 //         row group's bytes are prefetched. One or two x rows, k % 128 == 0 and
 //         blocksize >= 64: "quad" chunks of 128 elements (one 64-byte line
@@ -488,14 +488,24 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
 }
 
 // 5-8 x rows ("wide"): one group, each W row pair decoded once for all of
-// them, x read from L1 by the dot products in k segments of <= kWideXBytes of
-// x (one thread, 4096^2, against groups of <= 4 decoding W again per group:
-// batch 5 0.59-0.61 -> 0.52-0.55 ms, 6 0.65-0.66 -> 0.62-0.63, 8 0.79 ->
-// 0.74-0.77; unsegmented, 8 rows of x (64 KiB) miss L1: 1.0 ms; segments of
-// 12 / 24 / 48 KiB of x: 0.90 / 0.81 / 0.93 at batch 8).
-constexpr int kWideGroup = 8;                       // up to this many x rows: one group
-constexpr int kWideR = 2;                           // W rows per register tile then
-constexpr int64_t kWideXBytes = int64_t(32) << 10;  // x bytes per k segment then
+// them, x read from L1 by the dot products (one thread, 4096^2, against
+// groups of <= 4 decoding W again per group: batch 5 0.59-0.61 -> 0.52-0.55
+// ms, 6 0.65-0.66 -> 0.62-0.63, 8 0.79 -> 0.74-0.77 on the Zen 5 VM).
+// With a 48 KiB L1D (Zen 5) k is split into segments of kWideXBytes of x,
+// which stay in L1 beside the W rows and accumulators while every W row pair
+// of a row block sweeps them (Zen 5, batch 8: unsegmented, 8 rows of x (64
+// KiB) 1.0 ms; segments of 12 / 24 / 32 / 48 KiB 0.90 / 0.81 / 0.74-0.77 /
+// 0.93). A 32 KiB L1D (Zen 4) does not hold a 32 KiB segment beside the rest
+// either, and segments only added the cost of stopping and resuming each
+// tile (its accumulators stored and reloaded, its first chunk's decode
+// exposed): Zen 4, one thread, 4096^2, unsegmented against 32 / 16 KiB
+// segments, batch 8 1.46-1.50 against 1.55-1.58 / 1.68 ms, batch 5 1.02-1.05
+// against 1.08-1.10; k = 11008: batch 5 2.77 against 2.99, batch 8 4.32-4.49
+// against 4.36-4.48 (and 4.99-5.11 with 64 KiB segments).
+constexpr int kWideGroup = 8;                           // up to this many x rows: one group
+constexpr int kWideR = 2;                               // W rows per register tile then
+constexpr int64_t kWideXBytes = int64_t(32) << 10;      // x bytes per k segment, on a large enough L1D
+constexpr int64_t kWideSegmentL1d = int64_t(48) << 10;  // the L1D size from which k is segmented
 
 // gemv_tile with one accumulator per output and M = 1..MMAX x rows chosen
 // at run time
@@ -557,8 +567,9 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t gsize = ceil_div(m, groups);
   const int H = m == 1 || (m == 2 && !quad) ? 2 : 1;  // accumulators per output
   const int64_t lda = m * H;                          // vectors per W row in acc
-  // wide: k in segments whose x rows stay in L1
-  const int64_t kseg = wide ? max64(kChunk, kWideXBytes / (2 * m) / kChunk * kChunk) : k;
+  // wide: k in segments whose x rows stay in L1, where they can (kWideSegmentL1d)
+  const bool segment = wide && cpu_l1d_bytes() >= kWideSegmentL1d;
+  const int64_t kseg = segment ? max64(kChunk, kWideXBytes / (2 * m) / kChunk * kChunk) : k;
   parallel_for(ceil_div(n, kGemvR), 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kGemvR, n1 = min64(n, t1 * kGemvR);
     const int64_t sc_count = (((kGemvBlockRows * k) >> g.shift) + 4 + 15) / 16 * 16;
