@@ -309,7 +309,10 @@ def print_header(title: str) -> dict:
     print(f"cpu: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); caches {info['caches']}")
     print(f"q4 library: {info['q4_library']}")
     print(f"q4 cpu features: detected {detected}; absent {missing}")
-    print(f"q4 ISA level: active {feats.get('isa')} (best available {feats.get('best_isa')})")
+    print(
+        f"q4 ISA level: active {feats.get('isa')} (best available {feats.get('best_isa')}); "
+        f"L1D the kernels block for: {feats.get('l1d_bytes')} bytes"
+    )
     for op, chain in feats.get("kernels", {}).items():
         print(f"q4 kernel chain {op}: {' -> '.join(chain)}")
     th = info["threads"]
