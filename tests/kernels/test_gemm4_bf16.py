@@ -132,10 +132,10 @@ def test_grad_input_matches_oracle(rng, quant_type, nested, blocksize, out_dtype
         (1, 29, 1408, 256),  # one x row by 128-element chunks, blocks straddle rows
         (2, 130, 4224, 64),  # two x rows by 128-element chunks, a last partial W row group
         (2, 29, 1408, 256),  # two x rows by 128-element chunks, blocks straddle rows
-        (8, 300, 1088, 32),  # gemv, 8 x rows: W row pairs against all of them, one k segment
-        (7, 61, 4160, 32),  # gemv, 7 x rows: k segments 2304 + 1856, two scales per chunk
-        (6, 45, 5696, 256),  # gemv, 6 x rows: k segments 2688 + 2688 + 320, blocks straddle rows
-        (5, 130, 6592, 64),  # gemv, 5 x rows: k segments 3264 + 3264 + 64, a last partial W row group
+        (8, 300, 1088, 32),  # gemv, 8 x rows: W row pairs against all of them, one k segment anywhere
+        (7, 61, 4160, 32),  # gemv, 7 x rows (48 KiB L1D: k segments 2304 + 1856), two scales per chunk
+        (6, 45, 5696, 256),  # gemv, 6 x rows (48 KiB L1D: k segments 2688 x 2 + 320), blocks straddle rows
+        (5, 130, 6592, 64),  # gemv, 5 x rows (48 KiB L1D: k segments 3264 x 2 + 64), a last partial W row group
         (16, 67, 2112, 128),  # gemv, four x groups
         (29, 300, 1088, 64),  # tiled, two panels: the next W tile decoded inside the dot products
         (130, 300, 1088, 64),  # tiled: partial row tile, partial k tile, panel groups 3 + 3 + 3
@@ -229,7 +229,10 @@ def test_denormal_inputs_count_as_zero(rng):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 29, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    n, k = 203, {1: 1280, 2: 1280, 8: 4288}.get(m, 1216)  # 1-2 rows: 128-element chunks; 8: two k segments
+    n, k = (
+        203,
+        {1: 1280, 2: 1280, 8: 4288}.get(m, 1216),
+    )  # 1-2 rows: 128-element chunks; 8: two k segments on a 48 KiB L1D
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = bf16_input(rng, (m, k))
     g = bf16_input(rng, (m, n))
