@@ -229,10 +229,8 @@ def test_denormal_inputs_count_as_zero(rng):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 29, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    n, k = (
-        203,
-        {1: 1280, 2: 1280, 8: 4288}.get(m, 1216),
-    )  # 1-2 rows: 128-element chunks; 8: two k segments on a 48 KiB L1D
+    # 1-2 rows: 128-element chunks; 8: two k segments on a 48 KiB L1D
+    n, k = 203, {1: 1280, 2: 1280, 8: 4288}.get(m, 1216)
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = bf16_input(rng, (m, k))
     g = bf16_input(rng, (m, n))
@@ -258,22 +256,27 @@ def test_bit_identical_across_thread_counts(rng, m):
 WIDE_SEGMENTS = [(8, 67, 4288), (7, 61, 4160), (5, 130, 6592)]  # 2048 x 2 + 192; 2304 + 1856; 3264 x 2 + 64
 
 
-def wide_outputs(l1d_bytes: int, tmp_path: Path) -> dict:
-    """The wide shapes' forward outputs from a fresh process that takes the L1D
-    to be l1d_bytes (the size is read once per process)."""
+def wide_weight(i: int):
+    """Weight i of WIDE_SEGMENTS (packed, state, w32), the same in every process."""
+    _, n, k = WIDE_SEGMENTS[i]
+    return make_weight(np.random.default_rng(100 + i), n, k, 64, "nf4", True)
+
+
+def wide_outputs(l1d_bytes: int, inputs: Path, tmp_path: Path) -> dict:
+    """The wide shapes' forward outputs for the bf16 x rows saved in `inputs`
+    (x0, x1, ... as their uint16 bits: npz keeps no bf16 dtype), from a fresh process that takes the L1D to be l1d_bytes (the
+    size is read once per process)."""
     out = tmp_path / f"wide_{l1d_bytes}.npz"
     code = (
-        "import ml_dtypes\n"
         "import numpy as np\n"
-        "from reference.matmul import quantized_weight\n"
         "import q4\n"
+        "from kernels.test_gemm4_bf16 import BF16, WIDE_SEGMENTS, wide_weight\n"
         "q4.set_cpu_isa('avx512_bf16')\n"
         "res = {'l1d': np.int64(q4.cpu_features()['l1d_bytes'])}\n"
-        f"for i, (m, n, k) in enumerate({WIDE_SEGMENTS!r}):\n"
-        "    rng = np.random.default_rng(100 + i)\n"
-        "    packed, state, _ = quantized_weight(rng, n, k, 64, 'nf4', True)\n"
-        "    x = (rng.standard_normal((m, k)) * 3).astype(np.float32).astype(ml_dtypes.bfloat16)\n"
-        "    res[f'y{i}'] = q4.gemm_4bit(x, packed, state, out_dtype='float32')\n"
+        f"xs = np.load({str(inputs)!r})\n"
+        "for i in range(len(WIDE_SEGMENTS)):\n"
+        "    packed, state, _ = wide_weight(i)\n"
+        "    res[f'y{i}'] = q4.gemm_4bit(xs[f'x{i}'].view(BF16), packed, state, out_dtype='float32')\n"
         "    assert q4.cpu_features()['last_kernel']['gemm_4bit'] == 'avx512_bf16.gemm4'\n"
         f"np.savez({str(out)!r}, **res)\n"
     )
@@ -291,13 +294,14 @@ def test_wide_k_segments_change_no_bit(rng, tmp_path):
     in one pass (32 KiB): a segment's partial sums are stored and reloaded
     exactly, the additions stay in order. Both are also checked against the
     oracle here, in this process (as detected)."""
-    seg, one = wide_outputs(48 << 10, tmp_path), wide_outputs(32 << 10, tmp_path)
+    xs = {f"x{i}": bf16_input(rng, (m, k)) for i, (m, _, k) in enumerate(WIDE_SEGMENTS)}
+    inputs = tmp_path / "wide_x.npz"
+    np.savez(inputs, **{name: x.view(np.uint16) for name, x in xs.items()})
+    seg, one = wide_outputs(48 << 10, inputs, tmp_path), wide_outputs(32 << 10, inputs, tmp_path)
     assert int(seg["l1d"]) == 48 << 10 and int(one["l1d"]) == 32 << 10
     for i, (m, n, k) in enumerate(WIDE_SEGMENTS):
-        r = np.random.default_rng(100 + i)
-        packed, state, w32 = make_weight(r, n, k, 64, "nf4", True)
-        x = (r.standard_normal((m, k)) * 3).astype(np.float32).astype(BF16)
-        y = forward(x, packed, state, w32, "float32", what=f"wide {(m, n, k)}")
+        packed, state, w32 = wide_weight(i)
+        y = forward(xs[f"x{i}"], packed, state, w32, "float32", what=f"wide {(m, n, k)}")
         assert seg[f"y{i}"].tobytes() == one[f"y{i}"].tobytes() == y.tobytes(), (m, n, k)
 
 
