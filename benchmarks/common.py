@@ -143,6 +143,27 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def l3_bytes() -> int:
+    """The last-level cache's size in bytes as cpu0 reports it (32 MiB when
+    sysfs does not say)."""
+    size = _cache_sizes().get("L3", "32768K")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    try:
+        return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (ValueError, IndexError):
+        return 32 << 20
+
+
+def dram_layers(weight_bytes: int) -> int:
+    """How many distinct layers of weight_bytes each to cycle so that every
+    call reads its weight from memory: together >= 4x the L3, whatever its
+    replacement policy (on a 32 MiB L3, 16 layers of 8.25 MiB). With 8 such
+    layers (66 MiB) part of each weight still came from the L3: torch.sum
+    over them ran at 1.3-1.4x the 1 GiB DRAM read rate, over 16 or 24 at
+    0.8-0.9x (the rest is each call's cold start)."""
+    return max(8, -(-4 * l3_bytes() // weight_bytes))
+
+
 def _cache_sizes() -> dict[str, str]:
     """L1d/L2/L3 sizes as the kernel reports them (cpu0's view)."""
     out = {}

@@ -5,8 +5,9 @@ absmax) in one process, q4 beside every peer at its best CPU path.
 
 Forward, batches 1/8/32/128/512, fp32 and bf16 inputs, two weight regimes:
 "L3" (the same layer every call: its 8.25 MiB packed weight stays in the
-32 MiB L3) and "DRAM" (8 distinct layers cycled, 66 MiB of packed weight:
-every call streams its weight from memory). Contestants:
+32 MiB L3) and "DRAM" (distinct layers cycled, together at least 4x the L3:
+16 layers, 132 MiB of packed weight, on a 32 MiB L3; every call streams its
+weight from memory). Contestants:
 
 - q4torch.functional.matmul_4bit, and q4torch.nn.Linear4bit (eval) forward;
 - q4jax: jax.jit of q4jax.matmul_4bit;
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from common import (
+    dram_layers,
     dram_read_gbs,
     interleaved,
     load_line,
@@ -56,7 +58,8 @@ N = K = 4096
 BLOCKSIZE = 64
 BATCHES = (1, 8, 32, 128, 512)
 DTYPES = ("float32", "bfloat16")
-DRAM_LAYERS = 8  # 8 x 8.25 MiB packed > the 32 MiB L3
+PACKED_BYTES = N * K // 2 + N * K // BLOCKSIZE + 4 * (N * K // BLOCKSIZE // 256)  # codes + absmax codes + absmax2
+DRAM_LAYERS = dram_layers(PACKED_BYTES)  # cycled in the DRAM regime
 GRAD_BATCHES = (32, 512)
 INT4_GROUP = 64
 QWIX_QTYPES = ("nf4", "int4")
@@ -505,7 +508,7 @@ def run_forward(su: Setup, rng) -> tuple[list[dict], dict, dict]:
                         per_layer = [make(xt, xj) for make in c.calls[dtype]]
                         fns[c.name] = per_layer[0] if regime == "L3" else _cycle(per_layer)
                     # DRAM: every call (warmup included) moves on to the next layer, so each call reads a weight
-                    # that 7 other layers' weights evicted from the L3 since its last use
+                    # that DRAM_LAYERS - 1 other layers' weights (>= 3x the L3) evicted since its last use
                     res = settled(fns, rounds=rounds_for(m), warmup=2 if m <= 128 else 1)
                     for name, r in res.items():
                         rows.append({"dtype": dtype, "batch": m, "regime": regime, "contestant": name, **r})
@@ -605,7 +608,8 @@ def _ratio(a, b):
     return None if a is None or b is None else a / b
 
 
-def print_forward(su: Setup, rows, errors) -> None:
+def print_forward(su: Setup, rows, errors, dram_gbs: float) -> None:
+    """dram_gbs: the 1 GiB read rate, mean of the run's start and end."""
     byshort = {c.short: c for c in su.contestants}
     peers = {"bnb": byshort["bnb"].name, "dense": byshort["dense torch"].name, "XLA": byshort["XLA dense"].name}
     for dtype in DTYPES:
@@ -624,7 +628,7 @@ def print_forward(su: Setup, rows, errors) -> None:
             ]
             floor = {}
             if m == 1:
-                header += ["GB/s L3", "GB/s DRAM", "% of read floor DRAM"]
+                header += ["GB/s L3", "GB/s DRAM", "% of read floor DRAM", "% of 1 GiB read"]
                 f = su.floor
                 for regime in ("L3", "DRAM"):
                     floor[regime] = f.weight_bytes / (_ms(rows, dtype, m, regime, f.name) * 1e-3) / 1e9
@@ -644,15 +648,16 @@ def print_forward(su: Setup, rows, errors) -> None:
                 row.append(errors[(dtype, m)][c.name])
                 if m == 1:
                     gbs = weight_bytes_for(c, dtype) / (dr * 1e-3) / 1e9
-                    row += [weight_bytes_for(c, dtype) / (l3 * 1e-3) / 1e9, gbs, 100 * gbs / floor["DRAM"]]
+                    l3_gbs = weight_bytes_for(c, dtype) / (l3 * 1e-3) / 1e9
+                    row += [l3_gbs, gbs, 100 * gbs / floor["DRAM"], 100 * gbs / dram_gbs]
                 table.append(row)
             if m == 1:
                 f = su.floor
-                blank = ["-"] * (len(header) - 6)
+                blank = ["-"] * (len(header) - 7)
                 table.append(
                     [f.name, _ms(rows, dtype, m, "L3", f.name), _ms(rows, dtype, m, "DRAM", f.name)]
                     + blank
-                    + [floor["L3"], floor["DRAM"], 100.0]
+                    + [floor["L3"], floor["DRAM"], 100.0, 100 * floor["DRAM"] / dram_gbs]
                 )
             print_table(
                 f"forward, batch {m}, {dtype} input: median ms; ratio = peer ms / this ms (> 1: this is faster); "
@@ -754,7 +759,7 @@ def main() -> dict:
         f"was > 2x its fastest sample; {len(noisy)} still above 2x after 3 attempts"
         + (": " + ", ".join(f"{d} b{m} {g}" for d, m, g in noisy) if noisy else "")
     )
-    print_forward(su, rows, errors)
+    print_forward(su, rows, errors, (head["roofline"]["dram_read_gbs"] + dram_end) / 2)
     print_summary(su, rows, "median_ms")
     print_summary(su, rows, "min_ms")
     print_grad(grad_rows, grad_errors)
@@ -773,7 +778,8 @@ def main() -> dict:
         f"weights: q4 NF4 {su.info['q4_weight_bytes'] / 2**20:.2f} MiB (packed + uint8 absmax codes + nested absmax), "
         f"bitsandbytes after its repack {su.info['bnb_weight_bytes'] / 2**20:.2f} MiB; {DRAM_LAYERS} layers cycled "
         "in the DRAM regime (dense peers too: their 32-64 MiB weights never fit the L3 anyway). "
-        "GB/s = weight bytes / time; % of read floor = that over the read floor's GB/s in the same rounds."
+        "GB/s = weight bytes / time; % of read floor = that over the read floor's GB/s in the same rounds; "
+        "% of 1 GiB read = that over the mean of the 1 GiB DRAM read rates measured at the start and the end."
     )
     roof = head["roofline"]
     su.notes.append(
