@@ -218,13 +218,19 @@ void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, in
   // PyTorch's OpenMP or XLA's) takes fewer chunks instead of holding up the
   // call. Every index is in exactly one fn call, so results do not depend on
   // which thread ran it.
+  // The chunks' sizes differ by at most one index, the larger ones first, so
+  // that the last ones claimed are the small ones: 28 tiles in 8 chunks are 4
+  // x 4 + 4 x 3 (14 per thread on two), where chunks of ceil(28 / 8) = 4 made
+  // 7 and left one thread 16 (the fp32 tiled forward at n = 384, m = 256,
+  // two threads, Zen 4, medians: k = 1536 1.70 -> 1.53 ms, k = 384 0.45 ->
+  // 0.40 ms).
   const int64_t chunks = std::min<int64_t>(max_chunks, int64_t(threads) * 4);
-  const int64_t per = (n + chunks - 1) / chunks;
+  const int64_t per = n / chunks, extra = n % chunks;  // chunks < extra hold per + 1 indices
   auto job = std::make_shared<Job>();
   job->chunks = chunks;
-  job->run_chunk = [&fn, per, n](int64_t c) {
-    const int64_t b = c * per, e = std::min(n, b + per);
-    if (b < e) fn(b, e);
+  job->run_chunk = [&fn, per, extra](int64_t c) {
+    const int64_t b = c * per + std::min(c, extra);
+    fn(b, b + per + (c < extra ? 1 : 0));
   };
   if (const TaskScheduler* sched = t_scheduler) {  // the host's workers (e.g. XLA's pool)
     for (int i = 1; i < threads; ++i) sched->schedule(sched->ctx, run_job_task, new std::shared_ptr<Job>(job));
