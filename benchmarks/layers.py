@@ -1,9 +1,10 @@
 """Quantized layers beside bitsandbytes 0.50.2 and dense torch, 4096x4096 with
 bias, fp32 and bf16 inputs: forward at batch 1, 32 and 512 and a training step
 (forward + backward to the input, frozen weight), in one process; and the
-batch-1 forward of Linear4bit at all-MiniLM-L6-v2's shapes (384x384, 384x1536,
-1536x384), where the per-call cost of each library's Python and C path is
-most of the call.
+forward of Linear4bit at all-MiniLM-L6-v2's shapes (384x384, 384x1536,
+1536x384) at batch 1, where the per-call cost of each library's Python and C
+path is most of the call, and at 256 rows (16 sentences of 16 tokens), where
+small weights split into few tiles per thread.
 
     Q4_LIBRARY=build/<dir>/libq4.so PYTHONPATH=. .venv/bin/python benchmarks/run.py layers
 
@@ -24,6 +25,7 @@ from common import interleaved, print_header, print_table, write_json
 N = K = 4096
 BATCHES = (1, 32, 512)
 SMALL = ((384, 384), (384, 1536), (1536, 384))  # (in, out) of all-MiniLM-L6-v2's linear layers
+SMALL_BATCHES = (1, 256)
 
 
 def main() -> dict:
@@ -103,13 +105,14 @@ def main() -> dict:
                 "bitsandbytes": build(bnb.nn.Linear4bit, ws, bs, quant_type="nf4", compute_dtype=dtype).eval(),
                 "dense": build(torch.nn.Linear, ws, bs).to(dtype).eval(),
             }
-            x = torch.randn(1, k_in).to(dtype)
-            with torch.inference_mode():
-                res = interleaved({f"{lib} forward": forward(layer, x) for lib, layer in layers.items()})
-            r = {k: 1e3 * v["median_ms"] for k, v in res.items()}  # microseconds
-            r["bnb / q4"] = r["bitsandbytes forward"] / r["q4 forward"]
-            r["dense / q4"] = r["dense forward"] / r["q4 forward"]
-            small[f"Linear4bit nf4 {k_in}x{n_out}, {str(dtype).removeprefix('torch.')}, batch 1"] = r
+            for m in SMALL_BATCHES:
+                x = torch.randn(m, k_in).to(dtype)
+                with torch.inference_mode():
+                    res = interleaved({f"{lib} forward": forward(layer, x) for lib, layer in layers.items()})
+                r = {k: 1e3 * v["median_ms"] for k, v in res.items()}  # microseconds
+                r["bnb / q4"] = r["bitsandbytes forward"] / r["q4 forward"]
+                r["dense / q4"] = r["dense forward"] / r["q4 forward"]
+                small[f"Linear4bit nf4 {k_in}x{n_out}, {str(dtype).removeprefix('torch.')}, batch {m}"] = r
     print("note: bitsandbytes' Linear8bitLt rounds fp32 inputs to fp16 before its int8 quantization (its warning)")
     header = ["layer"] + list(next(iter(results.values())))
     print_table(
@@ -118,7 +121,7 @@ def main() -> dict:
         [[k, *v.values()] for k, v in results.items()],
     )
     print_table(
-        "small layers (all-MiniLM-L6-v2 shapes), batch 1 forward: median µs per call; ratios > 1 mean q4 is faster",
+        "small layers (all-MiniLM-L6-v2 shapes), forward: median µs per call; ratios > 1 mean q4 is faster",
         ["layer", "q4 µs", "bitsandbytes µs", "dense µs", "bnb / q4", "dense / q4"],
         [[k, *v.values()] for k, v in small.items()],
     )
