@@ -154,6 +154,13 @@ def l3_bytes() -> int:
         return 32 << 20
 
 
+def nested_4bit_bytes(n: int, k: int, blocksize: int) -> int:
+    """Bytes of an [n, k] 4-bit weight with nested absmax: the packed codes,
+    one uint8 absmax code per block, one fp32 absmax per 256 blocks."""
+    blocks = -(-n * k // blocksize)
+    return -(-n * k // 2) + blocks + 4 * -(-blocks // 256)
+
+
 def dram_layers(weight_bytes: int) -> int:
     """How many distinct layers of weight_bytes each to cycle so that every
     call reads its weight from memory: together >= 4x the L3, whatever its

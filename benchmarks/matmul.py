@@ -47,6 +47,7 @@ from common import (
     dram_read_gbs,
     interleaved,
     load_line,
+    nested_4bit_bytes,
     others_busy_cores,
     print_header,
     print_table,
@@ -58,8 +59,7 @@ N = K = 4096
 BLOCKSIZE = 64
 BATCHES = (1, 8, 32, 128, 512)
 DTYPES = ("float32", "bfloat16")
-PACKED_BYTES = N * K // 2 + N * K // BLOCKSIZE + 4 * (N * K // BLOCKSIZE // 256)  # codes + absmax codes + absmax2
-DRAM_LAYERS = dram_layers(PACKED_BYTES)  # cycled in the DRAM regime
+DRAM_LAYERS = dram_layers(nested_4bit_bytes(N, K, BLOCKSIZE))  # cycled in the DRAM regime
 GRAD_BATCHES = (32, 512)
 INT4_GROUP = 64
 QWIX_QTYPES = ("nf4", "int4")
