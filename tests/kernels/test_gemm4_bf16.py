@@ -264,8 +264,9 @@ def wide_weight(i: int):
 
 def wide_outputs(l1d_bytes: int, inputs: Path, tmp_path: Path) -> dict:
     """The wide shapes' forward outputs for the bf16 x rows saved in `inputs`
-    (x0, x1, ... as their uint16 bits: npz keeps no bf16 dtype), from a fresh process that takes the L1D to be l1d_bytes (the
-    size is read once per process)."""
+    (x0, x1, ... as their uint16 bits: npz keeps no bf16 dtype), from a fresh
+    process that takes the L1D to be l1d_bytes (the size is read once per
+    process)."""
     out = tmp_path / f"wide_{l1d_bytes}.npz"
     code = (
         "import numpy as np\n"

@@ -36,12 +36,12 @@
 //         (kWideGroup): W rows decoded 2 at a time and dotted with every x
 //         row, read from L1 (x stored chunk by chunk, [k/64][m][64]); with
 //         a 48 KiB L1D in k segments of x that fit it (the partial sums kept
-//         in memory between segments). More x rows: groups of <= 4, each decoding the 4 W rows
-//         again (from L1, where the first group's pass left them). The next
-//         row group's bytes are prefetched. One or two x rows, k % 128 == 0 and
-//         blocksize >= 64: "quad" chunks of 128 elements (one 64-byte line
-//         of a W row indexes the table by shifts alone; x rearranged to
-//         match, gemv_quad).
+//         in memory between segments). More x rows: groups of <= 4, each
+//         decoding the 4 W rows again (from L1, where the first group's pass
+//         left them). The next row group's bytes are prefetched. One or two
+//         x rows, k % 128 == 0 and blocksize >= 64: "quad" chunks of 128
+//         elements (one 64-byte line of a W row indexes the table by shifts
+//         alone; x rearranged to match, gemv_quad).
 //   tiled (m > kGemvMaxM): x packed once into panels of 16 rows ([k/2 pairs]
 //         [16 rows] dwords); tiles of 32 W rows x 256 k decoded into bf16
 //         and reused by every panel in an 8-row x 3-panel register tile (W
