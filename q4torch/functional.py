@@ -701,6 +701,29 @@ def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
 
 
+def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tensor | None:
+    """matmul_4bit(A, B, quant_state, bias=bias, activation_quant=...) by a
+    direct call of the CPU kernel, or None where the q4::gemm_4bit op (or the
+    general path's checks and errors) must run: the conditions of _eager_cpu,
+    a QuantState of a 2-D [N, K] weight whose K is A's last dimension, a
+    non-empty A, a contiguous CPU B. activation_quant is already checked.
+    Linear4bit.forward calls it directly: at batch 1 on a small layer the
+    Python around the kernel is most of the call."""
+    if not isinstance(quant_state, QuantState) or not _eager_cpu(A, bias):
+        return None
+    shape = quant_state.shape
+    # (a mismatch: an error, or the [K, N] orientation, in the general path)
+    if shape is None or len(shape) != 2 or A.numel() == 0 or A.shape[-1] != shape[-1]:
+        return None
+    # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
+    with torch._C.DisableTorchFunctionSubclass():
+        if not isinstance(B, torch.Tensor) or not B.is_cpu or not B.is_contiguous():
+            return None
+        n, k, scales = _prepared_args(quant_state, B)
+        bs, qt = int(quant_state.blocksize), quant_state.quant_type
+        return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
+
+
 def matmul_4bit(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -725,22 +748,10 @@ def matmul_4bit(
     if quant_state is None:
         raise ValueError("matmul_4bit needs the weight's quant_state")
     formats.check_activation_quant(activation_quant)
-    if (
-        out is None
-        and isinstance(quant_state, QuantState)
-        and isinstance(A, torch.Tensor)
-        and A.numel() != 0
-        and quant_state.shape is not None
-        and len(quant_state.shape) == 2
-        and A.shape[-1] == quant_state.shape[-1]  # (else an error, or the [K, N] orientation below)
-        and _eager_cpu(A, bias)
-    ):
-        # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
-        with torch._C.DisableTorchFunctionSubclass():
-            if isinstance(B, torch.Tensor) and B.is_cpu and B.is_contiguous():
-                n, k, scales = _prepared_args(quant_state, B)
-                bs, qt = int(quant_state.blocksize), quant_state.quant_type
-                return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
+    if out is None:
+        y = _eager_matmul_4bit(A, B, quant_state, bias, activation_quant)
+        if y is not None:
+            return y
     _check_tensors(A=A, B=B, out=out, bias=bias)
     check_quant_state(quant_state, B)
     if len(quant_state.shape) != 2:

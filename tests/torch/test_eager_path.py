@@ -273,3 +273,78 @@ def test_int8_direct_call_refuses_bad_inputs(rng):
             F.int8_linear(torch.zeros(1, 256, dtype=torch.int32), layer.weight, layer.weight.SCB)
         with pytest.raises(ValueError, match=r"bias must have shape \(64,\)"):
             F.int8_linear(torch.zeros(1, 256), layer.weight, layer.weight.SCB, bias=torch.zeros(63))
+
+
+def _layer(rng, bias=True, dtype=torch.float32, cls=Linear4bit):
+    layer = cls(256, 64, bias=bias, quant_type="nf4", compress_statistics=True)
+    layer.weight.data = torch.from_numpy(inputs.make(rng, (64, 256), "float32"))
+    if bias:
+        layer.bias.data = torch.from_numpy(inputs.make(rng, (64,), "float32"))
+    return layer.to("cpu").to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_flat_forward_sees_replaced_parameters(rng, op_calls, monkeypatch, dtype):
+    """Linear4bit's flat forward (_eager_forward: parameters read from
+    _parameters, no packed_weight call) gives the op's bytes, and a weight or
+    bias assigned since the last call is the one used."""
+    seen = []
+    real = Linear4bit.packed_weight
+
+    def counting(self):
+        seen.append(1)
+        return real(self)
+
+    monkeypatch.setattr(Linear4bit, "packed_weight", counting)
+    layer, other = _layer(rng, dtype=dtype), _layer(rng, dtype=dtype)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).to(dtype)
+
+    def check():
+        with torch.inference_mode():
+            got = layer(x)
+        packed = layer._parameters["weight"]
+        bias = layer._parameters["bias"]
+        assert torch.equal(got, _op(x, packed, packed.quant_state, None if bias is None else bias.detach()))
+        return got
+
+    first = check()
+    layer.weight = other.weight
+    second = check()
+    layer.bias = other.bias
+    third = check()
+    layer.bias = None
+    fourth = check()
+    assert seen == [] and op_calls == [], "the flat forward was not taken"
+    for a, b in zip([first, second, third], [second, third, fourth], strict=True):
+        assert not torch.equal(a, b)
+
+
+def test_layer_flat_forward_declines_where_the_general_forward_differs(rng, op_calls):
+    """A bias of another dtype (cast on a copy), a compute_dtype other than the
+    input's, and a subclass whose `weight` is a property (not the _parameters
+    entry) take the general forward, with its results."""
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
+    layer = _layer(rng)
+    with torch.inference_mode():
+        want_bf16 = _op(x.bfloat16(), layer.weight, layer.weight.quant_state, layer.bias.detach().bfloat16())
+        assert torch.equal(layer(x.bfloat16()), want_bf16)  # fp32 bias, bf16 input
+        layer.compute_dtype = torch.bfloat16
+        assert torch.equal(layer(x), want_bf16.float())
+
+    class Swapped(Linear4bit):
+        """`weight` is another layer's weight once `swap` is set."""
+
+        @property
+        def weight(self):
+            swap = self.__dict__.get("swap")
+            if swap is not None:
+                return swap
+            w = self.__dict__["_parameters"].get("weight")
+            if w is None:
+                raise AttributeError("weight")
+            return w
+
+    swapped, other = _layer(rng, cls=Swapped), _layer(rng)
+    swapped.__dict__["swap"] = other.weight
+    with torch.inference_mode():
+        assert torch.equal(swapped(x), _op(x, other.weight, other.weight.quant_state, swapped.bias.detach()))
