@@ -44,6 +44,7 @@ from torch import nn
 from q4._src import formats, weights
 from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4torch import functional as F
+from q4torch._src.linear4bit import weight_and_bias
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -290,7 +291,7 @@ class Linear8bitLt(nn.Linear):
         return MatmulLtState(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
+        w, bias = weight_and_bias(self)
         if w.dtype == torch.int8:
             scb = getattr(w, "SCB", None)
             if scb is None:
@@ -300,11 +301,11 @@ class Linear8bitLt(nn.Linear):
                 )
             if getattr(self, "force_no_igemmlt", False):
                 wd = (w.detach().to(torch.float32) * (scb.to(torch.float32) * (1.0 / 127.0)).unsqueeze(1)).to(x.dtype)
-                return nn.functional.linear(x, wd, None if self.bias is None else self.bias.to(x.dtype))
-            return F.int8_linear(x, w, scb, self.threshold, self.bias)
+                return nn.functional.linear(x, wd, None if bias is None else bias.to(x.dtype))
+            return F.int8_linear(x, w, scb, self.threshold, bias)
         # Unquantized float weight: quantize a temporary copy (nothing stored).
         CB, SCB = _quantize_weight(w.detach())
-        y = F.int8_linear(x, CB, SCB, self.threshold, self.bias)
+        y = F.int8_linear(x, CB, SCB, self.threshold, bias)
         if w.requires_grad and torch.is_grad_enabled():
             # Straight-through for the weight: adds exactly zero to y, gives dL/dW = g^T x.
             dense = nn.functional.linear(x.detach().to(w.dtype), w).to(x.dtype)

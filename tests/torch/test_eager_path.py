@@ -348,3 +348,22 @@ def test_layer_flat_forward_declines_where_the_general_forward_differs(rng, op_c
     swapped.__dict__["swap"] = other.weight
     with torch.inference_mode():
         assert torch.equal(swapped(x), _op(x, other.weight, other.weight.quant_state, swapped.bias.detach()))
+
+
+@pytest.mark.parametrize("kind", ["4bit", "8bit"])
+def test_layer_bias_registered_as_a_buffer_is_used(rng, kind):
+    """weight_and_bias reads _parameters only where that is what `bias` is: a
+    bias deleted and registered again as a buffer still reaches the output."""
+    layer = _layer(rng) if kind == "4bit" else _int8_layer(rng, 0.0)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
+    bias = torch.from_numpy(inputs.make(rng, (64,), "float32"))
+    del layer.bias
+    layer.register_buffer("bias", bias)
+    with torch.inference_mode():
+        got = layer(x)
+    w = layer.weight
+    if kind == "4bit":
+        want = _op(x, w, w.quant_state, bias)
+    else:
+        want = torch.ops.q4.int8_linear(x, w.detach(), w.SCB, 0.0, bias)
+    assert torch.equal(got, want)
