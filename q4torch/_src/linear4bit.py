@@ -405,15 +405,16 @@ class Linear4bit(nn.Linear):
 
     def _eager_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The forward of the common case, flat, or None: a quantized
-        Params4bit, an input in the compute dtype and a bias in it (or none),
-        and F._eager_matmul_4bit's conditions (nothing recording, CPU)."""
+        Params4bit, an input in the compute dtype, and F._eager_matmul_4bit's
+        conditions (nothing recording, CPU). A bias of another dtype is cast
+        on a copy, as forward does."""
         weight, bias = weight_and_bias(self)
         if type(weight) is not Params4bit or not weight.bnb_quantized or x.shape[-1] != self.in_features:
             return None
-        if (self.compute_dtype is not None and self.compute_dtype != x.dtype) or (
-            bias is not None and bias.dtype != x.dtype
-        ):
+        if self.compute_dtype is not None and self.compute_dtype != x.dtype:
             return None
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         quant_state = weight.quant_state or self.quant_state
         if quant_state is None:
             return None

@@ -319,17 +319,20 @@ def test_layer_flat_forward_sees_replaced_parameters(rng, op_calls, monkeypatch,
         assert not torch.equal(a, b)
 
 
-def test_layer_flat_forward_declines_where_the_general_forward_differs(rng, op_calls):
-    """A bias of another dtype (cast on a copy), a compute_dtype other than the
-    input's, and a subclass whose `weight` is a property (not the _parameters
-    entry) take the general forward, with its results."""
+def test_layer_flat_forward_agrees_with_the_general_forward(rng, op_calls):
+    """A bias of another dtype is cast on a copy (the parameter keeps its
+    dtype), as the general forward does; a compute_dtype other than the
+    input's and a subclass whose `weight` is a property (not the _parameters
+    entry) take the general forward. Every case gives the op's bytes."""
     x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
     layer = _layer(rng)
     with torch.inference_mode():
         want_bf16 = _op(x.bfloat16(), layer.weight, layer.weight.quant_state, layer.bias.detach().bfloat16())
         assert torch.equal(layer(x.bfloat16()), want_bf16)  # fp32 bias, bf16 input
+        assert layer.bias.dtype == torch.float32
         layer.compute_dtype = torch.bfloat16
         assert torch.equal(layer(x), want_bf16.float())
+    assert op_calls == []
 
     class Swapped(Linear4bit):
         """`weight` is another layer's weight once `swap` is set."""
