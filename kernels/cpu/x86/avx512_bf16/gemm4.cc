@@ -323,7 +323,6 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
     if (LOAD_AHEAD) v_next[i] = widen_chunk(wb + i * t.row_bytes);
   }
   for (int64_t c = kr.c0; c < kr.c1; c += kChunk, wb += kChunk / 2, sb += SPC) {
-    const bool pf_now = t.pf && (c & kChunk) == 0;
     // the x chunk stays in registers for all R rows (512-bit loads and the
     // decode compete with the dot products; the x loads are shared)
     __m512i xe[XMEM ? 1 : M], xo[XMEM ? 1 : M];
@@ -349,8 +348,16 @@ void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64
       const uint8_t* bytes = wb + i * t.row_bytes;
       // W is streamed once (from L3 or DRAM): ask for the same chunk of the
       // row group kGemvPrefetchGroups ahead (the hardware prefetchers miss
-      // the R interleaved row streams), one 64-byte line per two chunks
-      if (pf_now) prefetch_stream(bytes + t.pf_bytes);
+      // the R interleaved row streams). Every chunk, so each 64-byte line is
+      // asked for twice: from DRAM the first request is often lost (the
+      // profile's samples sat on the W loads, whatever the distance or the
+      // hint), most when x is read from L1/L2 beside it. Two threads, Zen 4,
+      // 4096^2 from DRAM (16 layers) against one request per line: batch 3
+      // 0.432 -> 0.412 ms, 4 0.484 -> 0.464, 5 0.608 -> 0.569, 8 0.977 ->
+      // 0.851, 16 1.73 -> 1.67; from L3 within 0.5%. (Four requests per line
+      // measured no better than two; the quad chunks' one line per row and
+      // chunk gained nothing from a second request.)
+      if (t.pf) prefetch_stream(bytes + t.pf_bytes);
       if (LOAD_AHEAD) {
         w[i] = lookup_chunk<false>(v_next[i], tab, half);
         if (more) v_next[i] = widen_chunk(bytes + kChunk / 2);
