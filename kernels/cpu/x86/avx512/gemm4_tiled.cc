@@ -441,6 +441,16 @@ void fwd_tile_range(const Gemm4bitParams& p, const float* xp, int64_t P, const B
       const int rows = int(std::min<int64_t>(R, n - r0));
       for (int r = 0; r < rows; ++r) decode_segment(dec, p.packed, (r0 + r) * k + c0, len, wd + r * kKc);
       for (int r = rows; r < R; ++r) std::fill(wd + r * kKc, wd + r * kKc + len, 0.0f);
+      // The tile after next into L2 first, then (above) the next into L1:
+      // from DRAM the L1 prefetch alone, one tile ahead, left the decode
+      // waiting on its loads (two threads, Zen 4, 4096^2 fp32, 16 layers
+      // cycled from DRAM: batch 32 7.1-7.2 -> 5.4 ms; from L3 within 1%).
+      if (tile + 2 < t1) {
+        for (int64_t r = (tile + 2) * R; r < std::min(n, (tile + 2) * R + R); ++r) {
+          const uint8_t* row = p.packed + ((r * k + c0) >> 1);
+          for (int64_t o = 0; o < len / 2; o += 64) prefetch_stream(row + o);
+        }
+      }
       if (tile + 1 < t1)
         prefetch_tile(tile + 1, c0);
       else if (c0 + kKc < k)
