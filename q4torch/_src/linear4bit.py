@@ -414,6 +414,8 @@ class Linear4bit(nn.Linear):
         if self.compute_dtype is not None and self.compute_dtype != x.dtype:
             return None
         if bias is not None and bias.dtype != x.dtype:
+            if bias.requires_grad and torch.is_grad_enabled():
+                return None  # (the cast would be recorded, then dropped: the general forward casts it once)
             bias = bias.to(x.dtype)
         quant_state = weight.quant_state or self.quant_state
         if quant_state is None:
