@@ -104,13 +104,18 @@ inline __m512i nibbles(__m512i v) {
   return S == 0 ? v : _mm512_srli_epi32(v, S);
 }
 
-// Scales of the 16 dwords of chunk c from the row's block scales rs.
+// Scales of the 16 dwords of chunk c from the row's block scales rs: the
+// chunk's two (blocksize 64) or four (32) scales loaded at once and spread
+// over their dwords by one permute (for blocksize 64 the earlier two
+// broadcasts and a 256-bit insert measured 4-5% slower on the Zen 4 VM, one
+// thread, 4096^2: 0.642 -> 0.613 ms).
 inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
   const int64_t f = c * 128;
   if (shift >= 7) return _mm512_set1_ps(rs[f >> shift]);
   if (shift == 6) {
-    const __m512d lo = _mm512_castps_pd(_mm512_set1_ps(rs[f >> 6]));
-    return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_set1_ps(rs[(f >> 6) + 1])), 1));
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rs + (f >> 6)));
+    return _mm512_permutexvar_ps(half, _mm512_castps128_ps512(_mm_castsi128_ps(two)));
   }
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + (f >> 5))));
