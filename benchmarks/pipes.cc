@@ -99,6 +99,28 @@ double ns_per_iter(F&& body) {
 #define Q4_TWO_srld(i) asm("vpsrld $4, %1, %0" : "+v"(b##i) : "v"(x));
 #define Q4_TWO_ternlog(i) asm("vpternlogd $0xea, %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_pord(i) asm("vpord %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+// the fp32 gemv's step per 16 weights (shift the packed dwords, look the
+// nibbles up, multiply-add), as three independent instructions: 8 of each
+// per iteration on 24 registers
+#define Q4_R8(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+#define Q4_STEP_F32(i)                                         \
+  asm("vfmadd231ps %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y)); \
+  asm("vpermps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));     \
+  asm("vpsrld $4, %1, %0" : "+v"(c##i) : "v"(x));
+#define Q4_DECL_C(i) __m512i c##i = _mm512_set1_epi32(i + 1);
+#define Q4_SINK_C(i) asm volatile("" : : "v"(c##i));
+#define Q4_F32_STEPS                       \
+  [&] {                                    \
+    Q4_R8(Q4_DECL)                         \
+    Q4_R8(Q4_DECL_B)                       \
+    Q4_R8(Q4_DECL_C)                       \
+    for (long it = 0; it < kIters; ++it) { \
+      Q4_R8(Q4_STEP_F32)                   \
+    }                                      \
+    Q4_R8(Q4_SINK)                         \
+    Q4_R8(Q4_SINK_B)                       \
+    Q4_R8(Q4_SINK_C)                       \
+  }
 
 }  // namespace
 
@@ -171,8 +193,18 @@ int main() {
       {"+ vpshufb", ns_per_iter(Q4_PAIR_WITH(fma, vpshufb))},
   };
   for (const Row& r : fma_pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
+  const double step = ns_per_iter(Q4_F32_STEPS) / 8 / ns_cycle;
+  std::printf("cycles per fp32-gemv step (vpsrld + vpermps + vfmadd231ps, 16 weights): %.2f\n", step);
   const double dot = alone[0].ns / 12 / ns_cycle, dpbusd = alone[1].ns / 12 / ns_cycle;
   std::printf("per core: %.0f bf16 GFLOP/s (vdpbf16ps), %.0f int8 GOP/s (vpdpbusd) at this clock\n",
               64 / (dot * ns_cycle), 128 / (dpbusd * ns_cycle));
+  // What these allow a 4096 x 4096 layer on one core, counting only the
+  // instructions named (no loads, scales, epilogue or call): the floors
+  // behind the README's targets. Divide by the cores used.
+  const double w = 4096.0 * 4096.0, ms = ns_cycle * 1e-6;
+  std::printf(
+      "floors per 4096^2 layer, one core: fp32 batch 1 %.2f ms (one step per 16 weights), bf16 batch 8 %.2f ms "
+      "(vdpbf16ps alone), int8 batch 512 %.1f ms (vpdpbusd alone)\n",
+      w / 16 * step * ms, w * 8 / 32 * dot * ms, w * 512 / 64 * dpbusd * ms);
   return 0;
 }
