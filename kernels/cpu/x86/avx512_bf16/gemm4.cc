@@ -743,9 +743,11 @@ void micro_fwd_any(int R, int Q, const uint32_t* w, int64_t ldw, const uint32_t*
 // x [m, k] bf16 -> panels xp[panel][k/2][16] (dword t of row l of a panel at
 // xp[(panel * k/2 + t) * 16 + l]), t indexing the deinterleaved pairs; rows
 // past m are zero.
-void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
-  const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
-  parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
+// Units [u0, u1) of the packing (unit u: panel u / (k / 64), chunk u % (k /
+// 64)).
+void pack_units(const uint16_t* x, int64_t m, int64_t k, int64_t u0, int64_t u1, uint32_t* xp) {
+  const int64_t chunks = k / kChunk;
+  {
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
@@ -766,23 +768,21 @@ void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
         _mm512_store_si512(dst + (16 + t) * 16, o[t]);
       }
     }
-  });
+  }
 }
 
+// The W tiles [t0, t1) of tile_n rows (interleave: tile_n = kTileN / 2,
+// each tile decoded inside the previous one's dot products) against the
+// panels xp[0, panels) of the x rows [0, m) (rows past m zero), into out
+// rows [0, m).
 template <typename OutT, typename BiasT, bool TWO>
-void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
-  const int64_t m = p.m, n = p.n, k = p.k;
+void tile_range(const Gemm4bitParams& p, const ScaleDecoder& scales, const uint32_t* xp, int64_t m, int64_t panels,
+                OutT* out, bool interleave, int64_t t0, int64_t t1) {
+  const int64_t n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
-  const int64_t panels = ceil_div(m, kPanel);
-  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * k * 2 * kPanel);
-  pack_panels(static_cast<const uint16_t*>(p.x), m, k, xp);
   const __m512 codes = code_table(p.quant_type);
-  // few panels: small W tiles, each decoded inside the previous one's dot
-  // products (two tiles and the x panels stay in L1); many panels: the decode
-  // is a small part, larger tiles decoded in place
-  const bool interleave = panels <= kInterleavePanels;
   const int64_t tile_n = interleave ? kTileN / 2 : kTileN;
-  parallel_for(ceil_div(n, tile_n), 1, [&](int64_t t0, int64_t t1) {
+  {
     float* acc = scratch_as<float>(kSlotAcc, panels * kTileN * 16 * 4);
     // worker scratch: two decoded W tiles (the current one and the next; the
     // second offset by 1 KiB + 64 B so that its stores do not alias the loads
@@ -835,7 +835,6 @@ void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
         next.finish();
       }
       // store: acc[(panel * kTileN + r) * 16 + lane] -> out[panel * 16 + lane][r0 + r]
-      OutT* out = static_cast<OutT*>(p.out);
       for (int64_t rs = 0; rs < rows; rs += 16) {
         const int cols = int(min64(16, rows - rs));
         alignas(64) float bias[16] = {};
@@ -852,6 +851,45 @@ void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
         }
       }
     }
+  }
+}
+
+// Threads split by W tiles (each: every panel of x), or, when x outweighs W
+// (4 m > n: 2 bytes per x element against half a byte per W element) and
+// every thread gets two panels or more, by panels (each
+// thread packs its own panels and runs every W tile over them): as in the
+// fp32 tiled forward (avx512/gemm4_tiled.cc, forward_tiled), x packed by one
+// core and read by both is written again by the next call at the cost of the
+// other core's copies. Each output is summed in the same order either way.
+template <typename OutT, typename BiasT, bool TWO>
+void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k, chunks = k / kChunk;
+  const int64_t panels = ceil_div(m, kPanel);
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  OutT* out = static_cast<OutT*>(p.out);
+  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * k * 2 * kPanel);
+  const int64_t threads = max64(1, cpu_num_threads());
+  if (threads > 1 && 4 * m > n && panels >= 2 * threads) {
+    const int64_t per = ceil_div(ceil_div(panels, threads), int64_t(kMicroQ)) * kMicroQ;  // panels per run
+    parallel_for(ceil_div(panels, per), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t a = g * per, b = min64(panels, a + per);
+        pack_units(x, m, k, a * chunks, b * chunks, xp);
+        // few panels: small W tiles, each decoded inside the previous one's
+        // dot products (two tiles and the x panels stay in L1); many panels:
+        // the decode is a small part, larger tiles decoded in place
+        const bool interleave = b - a <= kInterleavePanels;
+        const int64_t tiles = ceil_div(n, interleave ? kTileN / 2 : kTileN);
+        tile_range<OutT, BiasT, TWO>(p, scales, xp + a * (k / 2) * kPanel, min64(m, b * kPanel) - a * kPanel, b - a,
+                                     out + a * kPanel * n, interleave, 0, tiles);
+      }
+    });
+    return;
+  }
+  parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) { pack_units(x, m, k, u0, u1, xp); });
+  const bool interleave = panels <= kInterleavePanels;
+  parallel_for(ceil_div(n, interleave ? kTileN / 2 : kTileN), 1, [&](int64_t t0, int64_t t1) {
+    tile_range<OutT, BiasT, TWO>(p, scales, xp, m, panels, out, interleave, t0, t1);
   });
 }
 
