@@ -214,9 +214,11 @@ def test_nan_and_inf_inputs_propagate(rng):
         assert np.isnan(dx[1]).all() and np.isfinite(np.delete(dx, 1, axis=0)).all()
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 45, 64, 140])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 45, 64, 140, 160])
 def test_bit_identical_across_thread_counts(rng, m):
-    # 64 and 140: the tiled forward split by panels on 2 and 3 threads, by W rows on 1
+    # 64, 140 and 160: the tiled forward split by panels on 2 and 3 threads, by
+    # W rows on 1; 160: the gradient split by dY rows on 2 and 3 threads (runs
+    # of 84 + 76 and 54 + 54 + 52 rows), by dX strips on 1
     n, k = 203, 1232  # k % 32 == 16
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = make_input(rng, (m, k), "float32")

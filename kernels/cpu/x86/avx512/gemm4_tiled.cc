@@ -5,7 +5,7 @@
 // fp32 (the value dequantize_4bit returns), products and sums in fp32 (FMA),
 // the bias added in fp32, one rounding to the output dtype. Each output
 // element is summed in a fixed order whatever the thread count (threads split
-// output rows (forward) or columns (gradient) only): FMA chains over chunks
+// the outputs only, by rows or by columns, never a sum): FMA chains over chunks
 // of the reduction (kKc / kKcGrad terms, 16 lanes in the row-dot path), the
 // chunk sums added in order -- a blocked sum, so the error grows with the
 // chunk length, not with k.
@@ -39,6 +39,8 @@
 //     into an L1 buffer [rows][64] (group order) and reused by every sliver:
 //     each dY value is broadcast against 4 decoded vectors (6 x 4
 //     accumulators). The columns are put back in order when dX is written.
+//     Threads take strips of columns, or runs of dY rows when dY outweighs W
+//     (grad_tiled).
 // The dequantized weight never exists beyond one L1 tile; nothing is cached
 // across calls and the packed parameter is only read (the per-call scratch
 // holds the packed input and, for nested absmax, the decoded block scales).
@@ -769,28 +771,52 @@ void grad_strips(const Gemm4bitGradInputParams& p, const float* dyp, const Block
   for (int64_t a = s0; a < s1; a += step) grad_strip_range<QT, NZ, T>(p, dyp, bs, a, std::min(s1, a + step));
 }
 
-// dY [m, n] into its slivers: sliver s is [n][rows(s)] at dyp + first(s) * n.
-void pack_slivers(const float* dy, int64_t m, int64_t n, int max_rows, float* dyp) {
+// Slivers [s0, s1) of dY [m, n] (slivers of at most max_rows rows): sliver s
+// is [n][rows(s)] at dyp + first(s) * n.
+void pack_sliver_range(const float* dy, int64_t m, int64_t n, int max_rows, int64_t s0, int64_t s1, float* dyp) {
   const Slivers sl(m, max_rows);
-  parallel_for(sl.count, 1, [&](int64_t a, int64_t b) {
-    for (int64_t s = a; s < b; ++s) {
-      const int rows = sl.rows(s);
-      const int64_t i0 = sl.first(s);
-      float* dst = dyp + i0 * n;
-      for (int j = 0; j < rows; ++j) {
-        const float* src = dy + (i0 + j) * n;
-        for (int64_t t = 0; t < n; ++t) dst[t * rows + j] = src[t];
-      }
+  for (int64_t s = s0; s < s1; ++s) {
+    const int rows = sl.rows(s);
+    const int64_t i0 = sl.first(s);
+    float* dst = dyp + i0 * n;
+    for (int j = 0; j < rows; ++j) {
+      const float* src = dy + (i0 + j) * n;
+      for (int64_t t = 0; t < n; ++t) dst[t * rows + j] = src[t];
     }
-  });
+  }
 }
 
+// Threads split the gradient by dX column strips (each thread: all of the
+// packed dY, its strips of W), or, when the packed dY outweighs W (8 m > k:
+// 4 bytes per dY element against half a byte per W element) and every thread
+// gets two slivers or more, by dY rows (each thread packs its own rows and
+// runs every strip of W over them), for the reason the forward splits by
+// panels of X (forward_tiled). Each dX element is summed in the same order
+// either way (a row's sums never depend on the rows beside it).
 template <QuantType QT, int NZ, typename T>
 void grad_tiled(const Gemm4bitGradInputParams& p, const float* dy, const Scales& /*scales*/) {
+  constexpr int kRows = max_sliver<NZ>();
   const CallBuffers cb = call_buffers(p.m * p.n, p.scales, p.blocksize);
-  pack_slivers(dy, p.m, p.n, max_sliver<NZ>(), cb.packed);
-  parallel_for(ceil_div(p.k, int64_t(NZ * 16)), 1,
-               [&](int64_t s0, int64_t s1) { grad_strips<QT, NZ, T>(p, cb.packed, cb.scales, s0, s1); });
+  const int64_t strips = ceil_div(p.k, int64_t(NZ * 16)), slivers = Slivers(p.m, kRows).count;
+  const int64_t threads = std::max(1, cpu_num_threads());
+  if (threads > 1 && 8 * p.m > p.k && slivers >= 2 * threads) {
+    // one run of rows per thread, whole slivers where it can be
+    const int64_t per = ceil_div(ceil_div(p.m, threads), int64_t(kRows)) * kRows;
+    parallel_for(ceil_div(p.m, per), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t a = g * per, b = std::min(p.m, a + per);
+        Gemm4bitGradInputParams part = p;
+        part.m = b - a;
+        part.grad_input = static_cast<T*>(p.grad_input) + a * p.k;
+        float* dyp = cb.packed + a * p.n;
+        pack_sliver_range(dy + a * p.n, part.m, p.n, kRows, 0, Slivers(part.m, kRows).count, dyp);
+        grad_strips<QT, NZ, T>(part, dyp, cb.scales, 0, strips);
+      }
+    });
+    return;
+  }
+  parallel_for(slivers, 1, [&](int64_t a, int64_t b) { pack_sliver_range(dy, p.m, p.n, kRows, a, b, cb.packed); });
+  parallel_for(strips, 1, [&](int64_t s0, int64_t s1) { grad_strips<QT, NZ, T>(p, cb.packed, cb.scales, s0, s1); });
 }
 
 template <QuantType QT, typename T>

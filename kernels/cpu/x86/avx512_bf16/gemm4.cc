@@ -50,7 +50,8 @@
 //         is transposed 16x16 at the store. Up to 2 panels: tiles of 16 rows,
 //         the next tile decoded inside the current tile's dot products.
 //   grad  dX[m, k] = dY[m, n] . W[n, k], the reduction over n: threads own
-//         strips of 64 dX columns; W rows (2i, 2i+1) are interleaved by
+//         strips of 64 dX columns (or runs of dY rows when dY outweighs W,
+//         grad_path); W rows (2i, 2i+1) are interleaved by
 //         vpermt2w into zmm = 16 columns x 2 rows and dotted with broadcast
 //         dY pairs. m <= 4: decoded into registers and used at once (two
 //         accumulator sets for m <= 2); more: tiles of 256 rows x 64 columns
@@ -1083,19 +1084,21 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
   });
   const __m512 codes = code_table(p.quant_type);
-  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) {
+  const bool fused = m <= kGradFusedM;
+  // dX rows [r0, r0 + mr) of strips [s0, s1)
+  auto strips = [&](int64_t r0, int64_t mr, int64_t s0, int64_t s1) {
     const __m512i half = upper_half_bit();
     const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
-    float* acc = scratch_as<float>(kSlotAcc, m * kStrip * 4);
+    float* acc = scratch_as<float>(kSlotAcc, mr * kStrip * 4);
     uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kGradN * kStrip * 2);
     const uint8_t* __restrict packed = p.packed;
     const float* __restrict sc = sc_all;
+    const uint32_t* dyr = dy + r0 * ldy;
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t c0 = s * kStrip;
-      memset(acc, 0, size_t(m * kStrip) * sizeof(float));
-      if (m <= kGradFusedM)
-        grad_fused_any<TWO>(int(m), packed, sc, codes, shift, n, k, 0, (n + 1) / 2, c0, dy, ldy, acc);
-      for (int64_t n0 = 0; n0 < n && m > kGradFusedM; n0 += kGradN) {
+      memset(acc, 0, size_t(mr * kStrip) * sizeof(float));
+      if (fused) grad_fused_any<TWO>(int(mr), packed, sc, codes, shift, n, k, 0, (n + 1) / 2, c0, dyr, ldy, acc);
+      for (int64_t n0 = 0; n0 < n && !fused; n0 += kGradN) {
         const int64_t rows = min64(kGradN, n - n0), pairs = (rows + 1) / 2;
         // the strip's chunk of row r starts at flat index r*k + c0
         for (int64_t t = 0; t < pairs; ++t) {
@@ -1104,15 +1107,15 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
                            i_hi, z);
           for (int q = 0; q < 4; ++q) _mm512_store_si512(wt + t * 64 + q * 16, z[q]);
         }
-        for (int64_t r = 0; r < m; r += kGradR) {
-          const int R = int(min64(kGradR, m - r));
-          micro_grad_any(R, wt, dy + r * ldy + n0 / 2, ldy, pairs, acc + r * kStrip, kStrip);
+        for (int64_t r = 0; r < mr; r += kGradR) {
+          const int R = int(min64(kGradR, mr - r));
+          micro_grad_any(R, wt, dyr + r * ldy + n0 / 2, ldy, pairs, acc + r * kStrip, kStrip);
         }
       }
       // store, undoing the column order
       const __m512i l_lo = lane_pair_index(0), l_hi = lane_pair_index(8);
-      OutT* out = static_cast<OutT*>(p.grad_input);
-      for (int64_t r = 0; r < m; ++r) {
+      OutT* out = static_cast<OutT*>(p.grad_input) + r0 * k;
+      for (int64_t r = 0; r < mr; ++r) {
         const float* a = acc + r * kStrip;
         const __m512 e0 = _mm512_load_ps(a), e1 = _mm512_load_ps(a + 16);
         const __m512 o0 = _mm512_load_ps(a + 32), o1 = _mm512_load_ps(a + 48);
@@ -1123,7 +1126,21 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
         store16<OutT>(dst + 48, _mm512_permutex2var_ps(e1, l_hi, o1), 16);
       }
     }
-  });
+  };
+  // Threads split dX by strips of columns, or, when dY outweighs W (4 m > k:
+  // 2 bytes per dY element against half a byte per W element) and every
+  // thread gets two register tiles of rows or more, by runs of rows (whole
+  // register tiles, so every row is summed as in the split by strips; each
+  // thread decodes every W tile), as the tiled forward splits by panels.
+  const int64_t threads = max64(1, cpu_num_threads());
+  if (!fused && threads > 1 && 4 * m > k && m >= 2 * threads * kGradR) {
+    const int64_t per = ceil_div(ceil_div(m, threads), int64_t(kGradR)) * kGradR;
+    parallel_for(ceil_div(m, per), 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) strips(g * per, min64(m, (g + 1) * per) - g * per, 0, k / kStrip);
+    });
+    return;
+  }
+  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) { strips(0, m, s0, s1); });
 }
 
 template <typename F>
