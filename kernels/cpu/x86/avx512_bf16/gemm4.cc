@@ -50,8 +50,7 @@
 //         is transposed 16x16 at the store. Up to 2 panels: tiles of 16 rows,
 //         the next tile decoded inside the current tile's dot products.
 //   grad  dX[m, k] = dY[m, n] . W[n, k], the reduction over n: threads own
-//         strips of 64 dX columns (or runs of dY rows when dY outweighs W,
-//         grad_path); W rows (2i, 2i+1) are interleaved by
+//         strips of 64 dX columns; W rows (2i, 2i+1) are interleaved by
 //         vpermt2w into zmm = 16 columns x 2 rows and dotted with broadcast
 //         dY pairs. m <= 4: decoded into registers and used at once (two
 //         accumulator sets for m <= 2); more: tiles of 256 rows x 64 columns
@@ -744,11 +743,9 @@ void micro_fwd_any(int R, int Q, const uint32_t* w, int64_t ldw, const uint32_t*
 // x [m, k] bf16 -> panels xp[panel][k/2][16] (dword t of row l of a panel at
 // xp[(panel * k/2 + t) * 16 + l]), t indexing the deinterleaved pairs; rows
 // past m are zero.
-// Units [u0, u1) of the packing (unit u: panel u / (k / 64), chunk u % (k /
-// 64)).
-void pack_units(const uint16_t* x, int64_t m, int64_t k, int64_t u0, int64_t u1, uint32_t* xp) {
-  const int64_t chunks = k / kChunk;
-  {
+void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
+  const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
+  parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
@@ -769,21 +766,23 @@ void pack_units(const uint16_t* x, int64_t m, int64_t k, int64_t u0, int64_t u1,
         _mm512_store_si512(dst + (16 + t) * 16, o[t]);
       }
     }
-  }
+  });
 }
 
-// The W tiles [t0, t1) of tile_n rows (interleave: tile_n = kTileN / 2,
-// each tile decoded inside the previous one's dot products) against the
-// panels xp[0, panels) of the x rows [0, m) (rows past m zero), into out
-// rows [0, m).
 template <typename OutT, typename BiasT, bool TWO>
-void tile_range(const Gemm4bitParams& p, const ScaleDecoder& scales, const uint32_t* xp, int64_t m, int64_t panels,
-                OutT* out, bool interleave, int64_t t0, int64_t t1) {
-  const int64_t n = p.n, k = p.k;
+void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
+  const int64_t panels = ceil_div(m, kPanel);
+  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * k * 2 * kPanel);
+  pack_panels(static_cast<const uint16_t*>(p.x), m, k, xp);
   const __m512 codes = code_table(p.quant_type);
+  // few panels: small W tiles, each decoded inside the previous one's dot
+  // products (two tiles and the x panels stay in L1); many panels: the decode
+  // is a small part, larger tiles decoded in place
+  const bool interleave = panels <= kInterleavePanels;
   const int64_t tile_n = interleave ? kTileN / 2 : kTileN;
-  {
+  parallel_for(ceil_div(n, tile_n), 1, [&](int64_t t0, int64_t t1) {
     float* acc = scratch_as<float>(kSlotAcc, panels * kTileN * 16 * 4);
     // worker scratch: two decoded W tiles (the current one and the next; the
     // second offset by 1 KiB + 64 B so that its stores do not alias the loads
@@ -836,6 +835,7 @@ void tile_range(const Gemm4bitParams& p, const ScaleDecoder& scales, const uint3
         next.finish();
       }
       // store: acc[(panel * kTileN + r) * 16 + lane] -> out[panel * 16 + lane][r0 + r]
+      OutT* out = static_cast<OutT*>(p.out);
       for (int64_t rs = 0; rs < rows; rs += 16) {
         const int cols = int(min64(16, rows - rs));
         alignas(64) float bias[16] = {};
@@ -852,45 +852,6 @@ void tile_range(const Gemm4bitParams& p, const ScaleDecoder& scales, const uint3
         }
       }
     }
-  }
-}
-
-// Threads split by W tiles (each: every panel of x), or, when x outweighs W
-// (4 m > n: 2 bytes per x element against half a byte per W element) and
-// every thread gets two panels or more, by panels (each
-// thread packs its own panels and runs every W tile over them): as in the
-// fp32 tiled forward (avx512/gemm4_tiled.cc, forward_tiled), x packed by one
-// core and read by both is written again by the next call at the cost of the
-// other core's copies. Each output is summed in the same order either way.
-template <typename OutT, typename BiasT, bool TWO>
-void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
-  const int64_t m = p.m, n = p.n, k = p.k, chunks = k / kChunk;
-  const int64_t panels = ceil_div(m, kPanel);
-  const uint16_t* x = static_cast<const uint16_t*>(p.x);
-  OutT* out = static_cast<OutT*>(p.out);
-  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * k * 2 * kPanel);
-  const int64_t threads = max64(1, cpu_num_threads());
-  if (threads > 1 && 4 * m > n && panels >= 2 * threads) {
-    const int64_t per = ceil_div(ceil_div(panels, threads), int64_t(kMicroQ)) * kMicroQ;  // panels per run
-    parallel_for(ceil_div(panels, per), 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t a = g * per, b = min64(panels, a + per);
-        pack_units(x, m, k, a * chunks, b * chunks, xp);
-        // few panels: small W tiles, each decoded inside the previous one's
-        // dot products (two tiles and the x panels stay in L1); many panels:
-        // the decode is a small part, larger tiles decoded in place
-        const bool interleave = b - a <= kInterleavePanels;
-        const int64_t tiles = ceil_div(n, interleave ? kTileN / 2 : kTileN);
-        tile_range<OutT, BiasT, TWO>(p, scales, xp + a * (k / 2) * kPanel, min64(m, b * kPanel) - a * kPanel, b - a,
-                                     out + a * kPanel * n, interleave, 0, tiles);
-      }
-    });
-    return;
-  }
-  parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) { pack_units(x, m, k, u0, u1, xp); });
-  const bool interleave = panels <= kInterleavePanels;
-  parallel_for(ceil_div(n, interleave ? kTileN / 2 : kTileN), 1, [&](int64_t t0, int64_t t1) {
-    tile_range<OutT, BiasT, TWO>(p, scales, xp, m, panels, out, interleave, t0, t1);
   });
 }
 
@@ -1084,21 +1045,19 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
   });
   const __m512 codes = code_table(p.quant_type);
-  const bool fused = m <= kGradFusedM;
-  // dX rows [r0, r0 + mr) of strips [s0, s1)
-  auto strips = [&](int64_t r0, int64_t mr, int64_t s0, int64_t s1) {
+  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) {
     const __m512i half = upper_half_bit();
     const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
-    float* acc = scratch_as<float>(kSlotAcc, mr * kStrip * 4);
+    float* acc = scratch_as<float>(kSlotAcc, m * kStrip * 4);
     uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kGradN * kStrip * 2);
     const uint8_t* __restrict packed = p.packed;
     const float* __restrict sc = sc_all;
-    const uint32_t* dyr = dy + r0 * ldy;
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t c0 = s * kStrip;
-      memset(acc, 0, size_t(mr * kStrip) * sizeof(float));
-      if (fused) grad_fused_any<TWO>(int(mr), packed, sc, codes, shift, n, k, 0, (n + 1) / 2, c0, dyr, ldy, acc);
-      for (int64_t n0 = 0; n0 < n && !fused; n0 += kGradN) {
+      memset(acc, 0, size_t(m * kStrip) * sizeof(float));
+      if (m <= kGradFusedM)
+        grad_fused_any<TWO>(int(m), packed, sc, codes, shift, n, k, 0, (n + 1) / 2, c0, dy, ldy, acc);
+      for (int64_t n0 = 0; n0 < n && m > kGradFusedM; n0 += kGradN) {
         const int64_t rows = min64(kGradN, n - n0), pairs = (rows + 1) / 2;
         // the strip's chunk of row r starts at flat index r*k + c0
         for (int64_t t = 0; t < pairs; ++t) {
@@ -1107,15 +1066,15 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
                            i_hi, z);
           for (int q = 0; q < 4; ++q) _mm512_store_si512(wt + t * 64 + q * 16, z[q]);
         }
-        for (int64_t r = 0; r < mr; r += kGradR) {
-          const int R = int(min64(kGradR, mr - r));
-          micro_grad_any(R, wt, dyr + r * ldy + n0 / 2, ldy, pairs, acc + r * kStrip, kStrip);
+        for (int64_t r = 0; r < m; r += kGradR) {
+          const int R = int(min64(kGradR, m - r));
+          micro_grad_any(R, wt, dy + r * ldy + n0 / 2, ldy, pairs, acc + r * kStrip, kStrip);
         }
       }
       // store, undoing the column order
       const __m512i l_lo = lane_pair_index(0), l_hi = lane_pair_index(8);
-      OutT* out = static_cast<OutT*>(p.grad_input) + r0 * k;
-      for (int64_t r = 0; r < mr; ++r) {
+      OutT* out = static_cast<OutT*>(p.grad_input);
+      for (int64_t r = 0; r < m; ++r) {
         const float* a = acc + r * kStrip;
         const __m512 e0 = _mm512_load_ps(a), e1 = _mm512_load_ps(a + 16);
         const __m512 o0 = _mm512_load_ps(a + 32), o1 = _mm512_load_ps(a + 48);
@@ -1126,21 +1085,7 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
         store16<OutT>(dst + 48, _mm512_permutex2var_ps(e1, l_hi, o1), 16);
       }
     }
-  };
-  // Threads split dX by strips of columns, or, when dY outweighs W (4 m > k:
-  // 2 bytes per dY element against half a byte per W element) and every
-  // thread gets two register tiles of rows or more, by runs of rows (whole
-  // register tiles, so every row is summed as in the split by strips; each
-  // thread decodes every W tile), as the tiled forward splits by panels.
-  const int64_t threads = max64(1, cpu_num_threads());
-  if (!fused && threads > 1 && 4 * m > k && m >= 2 * threads * kGradR) {
-    const int64_t per = ceil_div(ceil_div(m, threads), int64_t(kGradR)) * kGradR;
-    parallel_for(ceil_div(m, per), 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) strips(g * per, min64(m, (g + 1) * per) - g * per, 0, k / kStrip);
-    });
-    return;
-  }
-  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) { strips(0, m, s0, s1); });
+  });
 }
 
 template <typename F>
