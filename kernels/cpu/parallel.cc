@@ -185,12 +185,7 @@ struct Job {
   // variable takes 20-60 us in a VM, a sixth of a 4096^2 batch-1 call, so
   // poll for up to kSpin first (an OpenMP team's barrier spins far longer).
   void wait() {
-    if (finished.load(std::memory_order_acquire) == chunks) return;
-    const auto deadline = std::chrono::steady_clock::now() + kSpin;
-    do {
-      for (int i = 0; i < 16; ++i) spin_pause();
-      if (finished.load(std::memory_order_acquire) == chunks) return;
-    } while (std::chrono::steady_clock::now() < deadline);
+    if (poll_for(kSpin, [&] { return finished.load(std::memory_order_acquire) == chunks; })) return;
     std::unique_lock<std::mutex> lk(mu);
     done.wait(lk, [&] { return finished.load() == chunks; });
   }
