@@ -486,42 +486,51 @@ void fwd_tiles(const Gemm4bitParams& p, const float* xp, int64_t P, const BlockS
 // order, rows past m zero. Per group: each row's values put in group order,
 // then 16 x 16 transposes.
 void pack_panel_range(const float* x, int64_t m, int64_t k, int64_t a, int64_t b, float* xp) {
-  {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    const __m512i half = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int64_t pn = a; pn < b; ++pn) {
-      float* dst = xp + pn * k * 16;
-      const int rows = int(std::min<int64_t>(16, m - pn * 16));
-      const float* src = x + pn * 16 * k;
-      int64_t g = 0;
-      for (; g + 32 <= k; g += 32) {
-        __m512 e[16], o[16];
-        for (int r = 0; r < 16; ++r) {
-          if (r < rows) {
-            const __m512 lo = _mm512_loadu_ps(src + r * k + g), hi = _mm512_loadu_ps(src + r * k + g + 16);
-            e[r] = _mm512_permutex2var_ps(lo, even, hi);
-            o[r] = _mm512_permutex2var_ps(lo, odd, hi);
-          } else {
-            e[r] = o[r] = _mm512_setzero_ps();
-          }
-        }
-        transpose16(e);
-        transpose16(o);
-        for (int j = 0; j < 16; ++j) {
-          _mm512_store_ps(dst + (g + j) * 16, e[j]);
-          _mm512_store_ps(dst + (g + 16 + j) * 16, o[j]);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i half = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t pn = a; pn < b; ++pn) {
+    float* dst = xp + pn * k * 16;
+    const int rows = int(std::min<int64_t>(16, m - pn * 16));
+    const float* src = x + pn * 16 * k;
+    int64_t g = 0;
+    for (; g + 32 <= k; g += 32) {
+      __m512 e[16], o[16];
+      for (int r = 0; r < 16; ++r) {
+        if (r < rows) {
+          const __m512 lo = _mm512_loadu_ps(src + r * k + g), hi = _mm512_loadu_ps(src + r * k + g + 16);
+          e[r] = _mm512_permutex2var_ps(lo, even, hi);
+          o[r] = _mm512_permutex2var_ps(lo, odd, hi);
+        } else {
+          e[r] = o[r] = _mm512_setzero_ps();
         }
       }
-      if (g < k) {  // a final half group: [8 even | 8 odd]
-        __m512 v[16];
-        for (int r = 0; r < 16; ++r)
-          v[r] = r < rows ? _mm512_permutexvar_ps(half, _mm512_loadu_ps(src + r * k + g)) : _mm512_setzero_ps();
-        transpose16(v);
-        for (int j = 0; j < 16; ++j) _mm512_store_ps(dst + (g + j) * 16, v[j]);
+      transpose16(e);
+      transpose16(o);
+      for (int j = 0; j < 16; ++j) {
+        _mm512_store_ps(dst + (g + j) * 16, e[j]);
+        _mm512_store_ps(dst + (g + 16 + j) * 16, o[j]);
       }
     }
+    if (g < k) {  // a final half group: [8 even | 8 odd]
+      __m512 v[16];
+      for (int r = 0; r < 16; ++r)
+        v[r] = r < rows ? _mm512_permutexvar_ps(half, _mm512_loadu_ps(src + r * k + g)) : _mm512_setzero_ps();
+      transpose16(v);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(dst + (g + j) * 16, v[j]);
+    }
   }
+}
+
+// [0, units) as one run per thread, each a multiple of `align` units where
+// it can be (the last one shorter): fn(begin, end) for each run. The split by
+// X panels (forward) and by dY rows (gradient).
+template <typename F>
+void for_each_thread_run(int64_t units, int64_t threads, int64_t align, F&& fn) {
+  const int64_t per = ceil_div(ceil_div(units, threads), align) * align;
+  parallel_for(ceil_div(units, per), 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) fn(g * per, std::min(units, (g + 1) * per));
+  });
 }
 
 // Threads split the tiled forward by W rows (each thread: all panels, its
@@ -542,17 +551,12 @@ void forward_tiled(const Gemm4bitParams& p, const float* x, const Scales& /*scal
   const CallBuffers cb = call_buffers(P * p.k * 16, p.scales, p.blocksize);
   const int64_t threads = std::max(1, cpu_num_threads());
   if (threads > 1 && 8 * p.m > p.n && P >= 2 * threads) {
-    // one run of panels per thread, a multiple of Q where it can be
-    const int64_t per = ceil_div(ceil_div(P, threads), int64_t(Q)) * Q;
-    parallel_for(ceil_div(P, per), 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t a = g * per, b = std::min(P, a + per);
-        pack_panel_range(x, p.m, p.k, a, b, cb.packed);
-        Gemm4bitParams part = p;
-        part.m = std::min(p.m, b * 16) - a * 16;
-        part.out = static_cast<T*>(p.out) + a * 16 * p.n;
-        fwd_tiles<QT, R, Q, T>(part, cb.packed + a * p.k * 16, b - a, cb.scales, 0, tiles);
-      }
+    for_each_thread_run(P, threads, Q, [&](int64_t a, int64_t b) {
+      pack_panel_range(x, p.m, p.k, a, b, cb.packed);
+      Gemm4bitParams part = p;
+      part.m = std::min(p.m, b * 16) - a * 16;
+      part.out = static_cast<T*>(p.out) + a * 16 * p.n;
+      fwd_tiles<QT, R, Q, T>(part, cb.packed + a * p.k * 16, b - a, cb.scales, 0, tiles);
     });
     return;
   }
@@ -803,18 +807,14 @@ void grad_tiled(const Gemm4bitGradInputParams& p, const float* dy, const Scales&
   const int64_t strips = ceil_div(p.k, int64_t(NZ * 16)), slivers = Slivers(p.m, kRows).count;
   const int64_t threads = std::max(1, cpu_num_threads());
   if (threads > 1 && 8 * p.m > p.k && slivers >= 2 * threads) {
-    // one run of rows per thread, whole slivers where it can be
-    const int64_t per = ceil_div(ceil_div(p.m, threads), int64_t(kRows)) * kRows;
-    parallel_for(ceil_div(p.m, per), 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t a = g * per, b = std::min(p.m, a + per);
-        Gemm4bitGradInputParams part = p;
-        part.m = b - a;
-        part.grad_input = static_cast<T*>(p.grad_input) + a * p.k;
-        float* dyp = cb.packed + a * p.n;
-        pack_sliver_range(dy + a * p.n, part.m, p.n, kRows, 0, Slivers(part.m, kRows).count, dyp);
-        grad_strips<QT, NZ, T>(part, dyp, cb.scales, 0, strips);
-      }
+    // runs of whole slivers where they can be
+    for_each_thread_run(p.m, threads, kRows, [&](int64_t a, int64_t b) {
+      Gemm4bitGradInputParams part = p;
+      part.m = b - a;
+      part.grad_input = static_cast<T*>(p.grad_input) + a * p.k;
+      float* dyp = cb.packed + a * p.n;
+      pack_sliver_range(dy + a * p.n, part.m, p.n, kRows, 0, Slivers(part.m, kRows).count, dyp);
+      grad_strips<QT, NZ, T>(part, dyp, cb.scales, 0, strips);
     });
     return;
   }
