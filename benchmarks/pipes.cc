@@ -99,6 +99,21 @@ double ns_per_iter(F&& body) {
 #define Q4_TWO_srld(i) asm("vpsrld $4, %1, %0" : "+v"(b##i) : "v"(x));
 #define Q4_TWO_ternlog(i) asm("vpternlogd $0xea, %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
 #define Q4_TWO_pord(i) asm("vpord %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_mshift(i) asm("vpmultishiftqb %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_TWO_srldq(i) asm("vpsrldq $1, %1, %0" : "+v"(b##i) : "v"(x));
+// 12 vdpbf16ps and four INSN per iteration: is a decode instruction free
+// beside the dot products when it is a third of their number?
+#define Q4_FOUR_IN_12(INSN)                                               \
+  [&] {                                                                   \
+    Q4_R12(Q4_DECL)                                                       \
+    Q4_R12(Q4_DECL_B)                                                     \
+    for (long it = 0; it < kIters; ++it) {                                \
+      Q4_R12(Q4_ONE_dpbf16)                                               \
+      Q4_TWO_##INSN(0) Q4_TWO_##INSN(1) Q4_TWO_##INSN(2) Q4_TWO_##INSN(3) \
+    }                                                                     \
+    Q4_R12(Q4_SINK)                                                       \
+    Q4_R12(Q4_SINK_B)                                                     \
+  }
 // the fp32 gemv's step per 16 weights (shift the packed dwords, look the
 // nibbles up, multiply-add), as three independent instructions: 8 of each
 // per iteration on 24 registers
@@ -108,6 +123,31 @@ double ns_per_iter(F&& body) {
   asm("vpermps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));     \
   asm("vpsrld $4, %1, %0" : "+v"(c##i) : "v"(x));
 #define Q4_DECL_C(i) __m512i c##i = _mm512_set1_epi32(i + 1);
+// 8 each of the named instructions per iteration (F: vfmadd231ps, P: vpermps,
+// S: vpsrld), each on its own 8 registers: which pipes each pair shares
+#define Q4_MIX_F(i) asm("vfmadd231ps %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
+#define Q4_MIX_P(i) asm("vpermps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+#define Q4_MIX_S(i) asm("vpsrld $4, %1, %0" : "+v"(c##i) : "v"(x));
+#define Q4_MIX(F, P, S)                    \
+  [&] {                                    \
+    Q4_R8(Q4_DECL)                         \
+    Q4_R8(Q4_DECL_B)                       \
+    Q4_R8(Q4_DECL_C)                       \
+    for (long it = 0; it < kIters; ++it) { \
+      if (F) {                             \
+        Q4_R8(Q4_MIX_F)                    \
+      }                                    \
+      if (P) {                             \
+        Q4_R8(Q4_MIX_P)                    \
+      }                                    \
+      if (S) {                             \
+        Q4_R8(Q4_MIX_S)                    \
+      }                                    \
+    }                                      \
+    Q4_R8(Q4_SINK)                         \
+    Q4_R8(Q4_SINK_B)                       \
+    Q4_R8(Q4_SINK_C)                       \
+  }
 #define Q4_SINK_C(i) asm volatile("" : : "v"(c##i));
 #define Q4_F32_STEPS                       \
   [&] {                                    \
@@ -154,7 +194,8 @@ int main() {
   };
   for (const Row& r : alone) std::printf("  %-16s %.2f\n", r.name, r.ns / 12 / ns_cycle);
   std::printf(
-      "cycles per pair, vdpbf16ps beside one decode instruction (~0.54 = fully overlapped, ~1.0 = same pipes):\n");
+      "cycles per pair, vdpbf16ps beside one decode instruction (fully overlapped = the slower of the two alone, same "
+      "pipes = the two alone added):\n");
   const Row pairs[] = {
       {"+ vpermw", ns_per_iter(Q4_PAIR(vpermw))},
       {"+ vpmovzxbw", ns_per_iter(Q4_PAIR(zext))},
@@ -173,8 +214,17 @@ int main() {
       {"+ vpmovzxbw", ns_per_iter(Q4_ONE_IN_12(zext))},
   };
   for (const Row& r : ones) std::printf("  %-18s %.2f\n", r.name, r.ns / ns_cycle);
+  std::printf("cycles per 12 vdpbf16ps beside four of one instruction (12 = all four free):\n");
+  const Row fours[] = {
+      {"+ 4 vpsrlw", ns_per_iter(Q4_FOUR_IN_12(srlw))},           {"+ 4 vpord", ns_per_iter(Q4_FOUR_IN_12(pord))},
+      {"+ 4 vpermw", ns_per_iter(Q4_FOUR_IN_12(vpermw))},         {"+ 4 vpsrldq", ns_per_iter(Q4_FOUR_IN_12(srldq))},
+      {"+ 4 vpmovzxbw", ns_per_iter(Q4_FOUR_IN_12(zext))},        {"+ 4 vmulps", ns_per_iter(Q4_FOUR_IN_12(mulps))},
+      {"+ 4 vpmultishiftqb", ns_per_iter(Q4_FOUR_IN_12(mshift))},
+  };
+  for (const Row& r : fours) std::printf("  %-20s %.2f\n", r.name, r.ns / ns_cycle);
   std::printf(
-      "cycles per pair, vpdpbusd beside one epilogue instruction (~0.5 = fully overlapped, ~1.0 = same pipes):\n");
+      "cycles per pair, vpdpbusd beside one epilogue instruction (fully overlapped = the slower of the two alone, same "
+      "pipes = the two alone added):\n");
   const Row int_pairs[] = {
       {"+ vcvtdq2ps", ns_per_iter(Q4_PAIR_WITH(dpbusd, cvtdq2ps))},
       {"+ vmulps", ns_per_iter(Q4_PAIR_WITH(dpbusd, mulps))},
@@ -184,8 +234,9 @@ int main() {
   };
   for (const Row& r : int_pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
   std::printf(
-      "cycles per pair, vfmadd231ps beside one fp32-gemv decode instruction (~0.5 = fully overlapped, ~1.0 = same "
-      "pipes):\n");
+      "cycles per pair, vfmadd231ps beside one fp32-gemv decode instruction (fully overlapped = the slower of the two "
+      "alone, same pipes = the two alone added):
+");
   const Row fma_pairs[] = {
       {"+ vpermps", ns_per_iter(Q4_PAIR_WITH(fma, vpermps))},
       {"+ vpsrld", ns_per_iter(Q4_PAIR_WITH(fma, srld))},
@@ -193,6 +244,17 @@ int main() {
       {"+ vpshufb", ns_per_iter(Q4_PAIR_WITH(fma, vpshufb))},
   };
   for (const Row& r : fma_pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
+  // Zen 4 (2026-12-05): F+P 10.7, F+S 8.0, P+S 10.7, F+P+S 12.0 cycles; the
+  // same as if each zmm instruction took two slots of four 256-bit pipes, F
+  // on pipes 0-1, P on 1-2, S on 2-3
+  std::printf("cycles per 8 of each named (F vfmadd231ps, P vpermps, S vpsrld; 8.0 = each alone):\n");
+  const Row mixes[] = {
+      {"F+P", ns_per_iter(Q4_MIX(1, 1, 0))},
+      {"F+S", ns_per_iter(Q4_MIX(1, 0, 1))},
+      {"P+S", ns_per_iter(Q4_MIX(0, 1, 1))},
+      {"F+P+S", ns_per_iter(Q4_MIX(1, 1, 1))},
+  };
+  for (const Row& r : mixes) std::printf("  %-18s %.2f\n", r.name, r.ns / ns_cycle);
   const double step = ns_per_iter(Q4_F32_STEPS) / 8 / ns_cycle;
   std::printf("cycles per fp32-gemv step (vpsrld + vpermps + vfmadd231ps, 16 weights): %.2f\n", step);
   const double dot = alone[0].ns / 12 / ns_cycle, dpbusd = alone[1].ns / 12 / ns_cycle;

@@ -1,8 +1,10 @@
 """Loads libq4 (the framework-free kernel library) and declares its C ABI.
 
 Search order: the path in ``Q4_LIBRARY``; ``libq4.so`` installed next to this
-package; the CMake build trees under ``<checkout>/build`` (development). The
-first that exists is loaded; failures name the path and the reason.
+package; the CMake build trees under ``<checkout>/build`` (development), the
+most recently built first (a checkout holds several trees, and an older one
+must not shadow the build just made). The first that exists is loaded;
+failures name the path and the reason.
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ class KernelError(ValueError):
     """A kernel rejected its arguments (the message names the bad value)."""
 
 
-def _candidates() -> list[Path]:
+def _candidates(package_root: Path | None = None) -> list[Path]:
     env = os.environ.get("Q4_LIBRARY")
     if env:
         return [Path(env)]
-    here = Path(__file__).resolve().parent.parent
+    here = package_root or Path(__file__).resolve().parent.parent
     found = [here / _LIB_NAME]
     build = here.parent / "build"
     if build.is_dir():
-        found += sorted(build.glob(f"*/{_LIB_NAME}"))
+        # newest first; equal times by name, so the order never depends on the directory listing
+        found += sorted(build.glob(f"*/{_LIB_NAME}"), key=lambda p: (-p.stat().st_mtime_ns, str(p)))
     return found
 
 

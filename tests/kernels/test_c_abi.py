@@ -2,6 +2,7 @@
 nothing written out of bounds) and randomised sizes against the oracle."""
 
 import ctypes
+import os
 
 import numpy as np
 import pytest
@@ -174,3 +175,22 @@ def test_bad_tuning_environment_is_refused(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
     with pytest.raises(native.NativeLibraryError, match=message):
         native._check_env()
+
+
+def test_library_search_prefers_the_newest_build_tree(tmp_path, monkeypatch):
+    # a checkout with several CMake trees: the one built last is loaded, not
+    # the first by name (an older tree must not shadow a fresh build)
+    monkeypatch.delenv("Q4_LIBRARY", raising=False)
+    package_root = tmp_path / "checkout" / "src"
+    package_root.mkdir(parents=True)
+    libs = {}
+    for i, tree in enumerate(["base", "exp", "cp311"]):
+        lib = tmp_path / "checkout" / "build" / tree / "libq4.so"
+        lib.parent.mkdir(parents=True)
+        lib.write_bytes(b"")
+        os.utime(lib, ns=(10**18, {"base": 1, "exp": 3, "cp311": 2}[tree] * 10**18))
+        libs[tree] = lib
+    found = native._candidates(package_root)
+    assert found == [package_root / "libq4.so", libs["exp"], libs["cp311"], libs["base"]]
+    monkeypatch.setenv("Q4_LIBRARY", str(libs["base"]))
+    assert native._candidates(package_root) == [libs["base"]]
