@@ -184,11 +184,11 @@ def test_library_search_prefers_the_newest_build_tree(tmp_path, monkeypatch):
     package_root = tmp_path / "checkout" / "src"
     package_root.mkdir(parents=True)
     libs = {}
-    for i, tree in enumerate(["base", "exp", "cp311"]):
+    for tree, age in [("base", 1), ("exp", 3), ("cp311", 2)]:
         lib = tmp_path / "checkout" / "build" / tree / "libq4.so"
         lib.parent.mkdir(parents=True)
         lib.write_bytes(b"")
-        os.utime(lib, ns=(10**18, {"base": 1, "exp": 3, "cp311": 2}[tree] * 10**18))
+        os.utime(lib, ns=(10**18, age * 10**18))
         libs[tree] = lib
     found = native._candidates(package_root)
     assert found == [package_root / "libq4.so", libs["exp"], libs["cp311"], libs["base"]]
