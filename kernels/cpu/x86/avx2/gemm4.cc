@@ -20,6 +20,7 @@
 #include "../../parallel.h"
 #include "../../rows.h"
 #include "../../simd_avx2.h"
+#include "../prefetch.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
@@ -136,6 +137,12 @@ void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scales& scale
 // per chunk to match (xt[c*64 + 8i + j] = x[c*64 + 8j + i]). Lane j's block
 // scale is applied once per chunk (lanes 0-3 and 4-7 differ when blocksize
 // is 32). R rows share every x load.
+// The batch-1 gemv asks for each row's bytes this many rows ahead, into L2
+// (the hardware prefetchers lose the two interleaved row streams): on the
+// Zen 4 VM with Q4_ISA=avx2, two threads, 16 layers of 4096^2 cycled from
+// DRAM, 1.06-1.08 -> 0.75-0.76 ms (4, 8 and 16 rows ahead alike); from L3
+// 1-2% faster.
+constexpr int64_t kGemv1PrefetchRows = 8;
 template <QuantType QT, int R>
 void gemv1_chunk_rows_avx2(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t r0) {
   const Table16 t = code_table<QT>();
@@ -143,11 +150,14 @@ void gemv1_chunk_rows_avx2(const Gemm4bitParams& p, const float* xt, const Scale
   const int shift = log2_exact(p.blocksize);
   __m256 total[R];
   for (int j = 0; j < R; ++j) total[j] = _mm256_setzero_ps();
+  const int64_t ahead = kGemv1PrefetchRows * (k / 2);
+  const bool pf = r0 + R + kGemv1PrefetchRows <= p.n;
   for (int64_t c = 0; c < chunks; ++c) {
     __m256i v[R];
     __m256 scale[R], acc0[R], acc1[R];
     for (int j = 0; j < R; ++j) {
       const int64_t f = (r0 + j) * k + c * 64;
+      if (pf) prefetch_stream(p.packed + f / 2 + ahead);
       v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.packed + f / 2));
       const float s_lo = scales(f >> shift), s_hi = scales((f + 32) >> shift);
       scale[j] = _mm256_setr_ps(s_lo, s_lo, s_lo, s_lo, s_hi, s_hi, s_hi, s_hi);
