@@ -124,9 +124,8 @@ double ns_per_iter(F&& body) {
   asm("vpsrld $4, %1, %0" : "+v"(c##i) : "v"(x));
 #define Q4_DECL_C(i) __m512i c##i = _mm512_set1_epi32(i + 1);
 // 8 each of the named instructions per iteration (F: vfmadd231ps, P: vpermps,
-// S: vpsrld), each on its own 8 registers: which pipes each pair shares
-#define Q4_MIX_F(i) asm("vfmadd231ps %2, %1, %0" : "+v"(a##i) : "v"(x), "v"(y));
-#define Q4_MIX_P(i) asm("vpermps %2, %1, %0" : "+v"(b##i) : "v"(x), "v"(y));
+// S: vpsrld), each on its own 8 registers (a, b, c): which pipes each pair
+// shares
 #define Q4_MIX_S(i) asm("vpsrld $4, %1, %0" : "+v"(c##i) : "v"(x));
 #define Q4_MIX(F, P, S)                    \
   [&] {                                    \
@@ -135,10 +134,10 @@ double ns_per_iter(F&& body) {
     Q4_R8(Q4_DECL_C)                       \
     for (long it = 0; it < kIters; ++it) { \
       if (F) {                             \
-        Q4_R8(Q4_MIX_F)                    \
+        Q4_R8(Q4_ONE_fma)                  \
       }                                    \
       if (P) {                             \
-        Q4_R8(Q4_MIX_P)                    \
+        Q4_R8(Q4_TWO_vpermps)              \
       }                                    \
       if (S) {                             \
         Q4_R8(Q4_MIX_S)                    \
@@ -235,8 +234,7 @@ int main() {
   for (const Row& r : int_pairs) std::printf("  %-18s %.2f\n", r.name, r.ns / 12 / ns_cycle);
   std::printf(
       "cycles per pair, vfmadd231ps beside one fp32-gemv decode instruction (fully overlapped = the slower of the two "
-      "alone, same pipes = the two alone added):
-");
+      "alone, same pipes = the two alone added):\n");
   const Row fma_pairs[] = {
       {"+ vpermps", ns_per_iter(Q4_PAIR_WITH(fma, vpermps))},
       {"+ vpsrld", ns_per_iter(Q4_PAIR_WITH(fma, srld))},
