@@ -130,6 +130,13 @@ void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scales& scale
   }
 }
 
+// The batch-1 gemv asks for each row's bytes this many rows ahead, into L2
+// (the hardware prefetchers lose the two interleaved row streams): on the
+// Zen 4 VM with Q4_ISA=avx2, two threads, 16 layers of 4096^2 cycled from
+// DRAM, 1.07-1.09 -> 0.75-0.77 ms (4, 8 and 16 rows ahead alike); from L3
+// 2-3% faster.
+constexpr int64_t kGemv1PrefetchRows = 8;
+
 // Batch-1 gemv for k % 64 == 0, on 64-element chunks: one 32-byte load holds
 // the chunk's nibbles, dword j = elements 8j..8j+7 with element 8j+i at bit
 // offset kNibbleShift[i]. Step i extracts nibble i of every dword with
@@ -137,12 +144,6 @@ void gemv_rows_avx2(const Gemm4bitParams& p, const float* x, const Scales& scale
 // per chunk to match (xt[c*64 + 8i + j] = x[c*64 + 8j + i]). Lane j's block
 // scale is applied once per chunk (lanes 0-3 and 4-7 differ when blocksize
 // is 32). R rows share every x load.
-// The batch-1 gemv asks for each row's bytes this many rows ahead, into L2
-// (the hardware prefetchers lose the two interleaved row streams): on the
-// Zen 4 VM with Q4_ISA=avx2, two threads, 16 layers of 4096^2 cycled from
-// DRAM, 1.06-1.08 -> 0.75-0.76 ms (4, 8 and 16 rows ahead alike); from L3
-// 1-2% faster.
-constexpr int64_t kGemv1PrefetchRows = 8;
 template <QuantType QT, int R>
 void gemv1_chunk_rows_avx2(const Gemm4bitParams& p, const float* xt, const Scales& scales, int64_t r0) {
   const Table16 t = code_table<QT>();
