@@ -161,14 +161,45 @@ def nested_4bit_bytes(n: int, k: int, blocksize: int) -> int:
     return -(-n * k // 2) + blocks + 4 * -(-blocks // 256)
 
 
-def dram_layers(weight_bytes: int) -> int:
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (8 GiB when it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30
+
+
+def dram_layers(weight_bytes: int, host_bytes_per_layer: int = 0) -> int:
     """How many distinct layers of weight_bytes each to cycle so that every
     call reads its weight from memory: together >= 4x the L3, whatever its
     replacement policy (on a 32 MiB L3, 16 layers of 8.25 MiB). With 8 such
     layers (66 MiB) part of each weight still came from the L3: torch.sum
     over them ran at 1.3-1.4x the 1 GiB DRAM read rate, over 16 or 24 at
-    0.8-0.9x (the rest is each call's cold start)."""
-    return max(8, -(-4 * l3_bytes() // weight_bytes))
+    0.8-0.9x (the rest is each call's cold start).
+
+    host_bytes_per_layer: what the caller keeps per layer in all (its peers'
+    copies too); the count is capped so that they take at most half of the
+    available memory (a VM that reports its host's 480 MiB L3 would
+    otherwise ask for 233 layers of 4096^2 and be killed). dram_layers_note()
+    says when the cap applied."""
+    want = max(8, -(-4 * l3_bytes() // weight_bytes))
+    if host_bytes_per_layer <= 0:
+        return want
+    return max(8, min(want, mem_available_bytes() // 2 // host_bytes_per_layer))
+
+
+def dram_layers_note(weight_bytes: int, layers: int) -> str:
+    """'' when `layers` reach 4x the L3, else a line saying they do not."""
+    if layers * weight_bytes >= 4 * l3_bytes():
+        return ""
+    return (
+        f"note: {layers} layers ({layers * weight_bytes / 2**20:.0f} MiB) cycled, {layers * weight_bytes / l3_bytes():.1f}x "
+        f"the L3 this CPU reports ({l3_bytes() / 2**20:.0f} MiB), capped by the available memory: part of each "
+        "'DRAM' call may still come from the L3; compare with the read floor measured beside it"
+    )
 
 
 def _cache_sizes() -> dict[str, str]:

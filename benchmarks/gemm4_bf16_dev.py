@@ -109,7 +109,7 @@ def main() -> None:
                 flush=True,
             )
         # batch 1 with the weights streamed from DRAM: layers together >= 4x the L3, cycled
-        n_layers = dram_layers(nested_4bit_bytes(N, K, 64))
+        n_layers = dram_layers(nested_4bit_bytes(N, K, 64), 12 * nested_4bit_bytes(N, K, 64))
         ws = [torch.randn(N, K) * 0.02 for _ in range(n_layers)]
         ours8, theirs8 = [q4_layer(v) for v in ws], [bnb_layer(v) for v in ws]
         x = torch.randn(1, K).to(torch.bfloat16)
