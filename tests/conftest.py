@@ -44,6 +44,7 @@ def _use_isa(name):
         "avx2": q4.cpu_has_avx2(),
         "avx512": q4.cpu_has_avx512(),
         "avx512_bf16": q4.cpu_has_avx512_bf16(),
+        "amx": q4.cpu_has_amx(),
     }
     if not supported[name]:
         pytest.skip(f"not run: the processor lacks {name} ({q4.cpu_features()['features']})")
@@ -71,7 +72,7 @@ def isa(request):
         yield name
 
 
-@pytest.fixture(params=["avx512_bf16", "avx512", "avx2", "scalar"])
+@pytest.fixture(params=["amx", "avx512_bf16", "avx512", "avx2", "scalar"])
 def isa_all(request):
     """As `isa`, plus the AVX-512 levels (their kernels: kernels/cpu/dispatch.h)."""
     with on_isa(request.param) as name:

@@ -63,6 +63,7 @@ int32_t q4_cpu_isa(void) { return q4::cpu_isa(); }
 int32_t q4_cpu_has_avx2(void) { return q4::cpu_has_avx2() ? 1 : 0; }
 int32_t q4_cpu_has_avx512(void) { return q4::cpu_has_avx512() ? 1 : 0; }
 int32_t q4_cpu_has_avx512_bf16(void) { return q4::cpu_has_avx512_bf16() ? 1 : 0; }
+int32_t q4_cpu_has_amx(void) { return q4::cpu_has_amx() ? 1 : 0; }
 const char* q4_cpu_features_json(void) {
   thread_local std::string json;
   json = q4::cpu_features_json();

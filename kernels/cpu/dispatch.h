@@ -9,6 +9,8 @@
 //   avx2         AVX2 + FMA + F16C
 //   avx512       + AVX-512 F/BW/VL (512-bit fp32 FMAs)
 //   avx512_bf16  + AVX512_BF16 and AVX512_VNNI (vdpbf16ps / vpdpbusd)
+//   amx          + AMX-TILE, AMX-BF16, AMX-INT8 and the OS's permission for
+//                the tile data (tile matrix multiplies)
 //
 // One translation unit per level (kernels/cpu/x86/<level>/*.cc) defines its
 // entries after a `#pragma GCC target(...)` for that level, so its code never
@@ -160,6 +162,12 @@ bool int8_gemm(const Int8Gemm& g);
 // W4A8 with vpdpbusd (x86/avx512_bf16/w4a8.cc)
 bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);
 }  // namespace avx512_bf16
+namespace amx {
+// bf16 inputs on the tile unit (TDPBF16PS), x86/amx/gemm4.cc; returns false
+// for other input dtypes and for few x rows (the avx512_bf16 gemv runs)
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+}  // namespace amx
 
 }  // namespace cpu
 }  // namespace q4

@@ -14,6 +14,9 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#endif
 
 #include "dispatch.h"
 #include "q4/kernels.h"
@@ -26,6 +29,7 @@ struct Features {
   bool avx512 = false;  // F, BW, VL, and the OS saving zmm and opmask state
   bool avx512_vbmi = false, avx512_bf16 = false, avx512_vnni = false, avx_vnni = false;
   bool amx_bf16 = false, amx_int8 = false;
+  bool amx = false;  // AMX-TILE, -BF16 and -INT8, the OS saving tile state, and this process allowed to use it
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -33,6 +37,18 @@ uint64_t xgetbv0() {
   uint32_t lo = 0, hi = 0;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   return (uint64_t(hi) << 32) | lo;
+}
+
+// Linux hands out the tile data state (8 KiB per thread) only to processes
+// that ask: ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process (its
+// threads, present and future, inherit it). Elsewhere: no AMX.
+bool request_tile_data() {
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
 }
 
 Features detect() {
@@ -52,6 +68,8 @@ Features detect() {
   f.avx512_vnni = f.avx512 && (c7 & (1u << 11));
   f.amx_bf16 = d7 & (1u << 22);
   f.amx_int8 = d7 & (1u << 25);
+  const bool tile_state = (xcr0 & 0x60000) == 0x60000;  // XTILECFG and XTILEDATA
+  f.amx = f.avx512 && f.amx_bf16 && f.amx_int8 && (d7 & (1u << 24)) && tile_state && request_tile_data();
   if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) {
     f.avx512_bf16 = f.avx512 && (a & (1u << 5));
     f.avx_vnni = f.avx2 && (a & (1u << 4));
@@ -67,12 +85,14 @@ const Features& features() {
   return f;
 }
 
-constexpr const char* kLevelNames[] = {"scalar", "avx2", "avx512", "avx512_bf16"};
-constexpr int kLevels = 4;
+constexpr const char* kLevelNames[] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx"};
+constexpr int kLevels = 5;
 
 Isa best_isa() {
   const Features& f = features();
-  if (f.avx512 && f.avx512_bf16 && f.avx512_vnni) return kIsaAvx512Bf16;
+  const bool bf16 = f.avx512 && f.avx512_bf16 && f.avx512_vnni;
+  if (bf16 && f.amx) return kIsaAmx;
+  if (bf16) return kIsaAvx512Bf16;
   if (f.avx512) return kIsaAvx512;
   return f.avx2 ? kIsaAvx2 : kIsaScalar;
 }
@@ -81,6 +101,10 @@ Isa best_isa() {
 cpu::KernelTable build_table(Isa isa) {
   cpu::KernelTable t;
 #if defined(__x86_64__) || defined(__i386__)
+  if (isa >= kIsaAmx) {
+    t.gemm4.add("amx.gemm4", cpu::amx::gemm4);
+    t.grad4.add("amx.grad4", cpu::amx::grad4);
+  }
   if (isa >= kIsaAvx512Bf16) {
     t.gemm4.add("avx512_bf16.gemm4", cpu::avx512_bf16::gemm4);
     t.grad4.add("avx512_bf16.grad4", cpu::avx512_bf16::grad4);
@@ -106,7 +130,8 @@ cpu::KernelTable build_table(Isa isa) {
 
 const cpu::KernelTable& table_of(Isa isa) {
   static const cpu::KernelTable tables[kLevels] = {build_table(kIsaScalar), build_table(kIsaAvx2),
-                                                   build_table(kIsaAvx512), build_table(kIsaAvx512Bf16)};
+                                                   build_table(kIsaAvx512), build_table(kIsaAvx512Bf16),
+                                                   build_table(kIsaAmx)};
   return tables[isa];
 }
 
@@ -146,12 +171,13 @@ const char* last_kernel(Op op) {
 bool cpu_has_avx2() { return features().avx2; }
 bool cpu_has_avx512() { return features().avx512; }
 bool cpu_has_avx512_bf16() { return best_isa() >= kIsaAvx512Bf16; }
+bool cpu_has_amx() { return best_isa() >= kIsaAmx; }
 Isa cpu_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 const char* cpu_isa_name(int32_t isa) { return isa >= 0 && isa < kLevels ? kLevelNames[isa] : ""; }
 
 Status set_cpu_isa(int32_t isa) {
   if (isa < kIsaScalar || isa >= kLevels)
-    return Status::Invalid("isa must be 0 (scalar), 1 (avx2), 2 (avx512) or 3 (avx512_bf16), got " +
+    return Status::Invalid("isa must be 0 (scalar), 1 (avx2), 2 (avx512), 3 (avx512_bf16) or 4 (amx), got " +
                            std::to_string(isa));
   if (isa > best_isa())
     return {kUnsupported, std::string("this processor does not support isa ") + kLevelNames[isa] +
@@ -186,7 +212,8 @@ std::string cpu_features_json() {
   json_bool(s, "avx512_vnni", f.avx512_vnni);
   json_bool(s, "avx_vnni", f.avx_vnni);
   json_bool(s, "amx_bf16", f.amx_bf16);
-  s += std::string("\"amx_int8\": ") + (f.amx_int8 ? "true" : "false") + "}, ";
+  json_bool(s, "amx_int8", f.amx_int8);
+  s += std::string("\"amx\": ") + (f.amx ? "true" : "false") + "}, ";
   s += std::string("\"best_isa\": \"") + kLevelNames[best_isa()] + "\", ";
   s += std::string("\"isa\": \"") + kLevelNames[cpu_isa()] + "\", ";
   s += "\"l1d_bytes\": " + std::to_string(cpu_l1d_bytes()) + ", \"kernels\": {";

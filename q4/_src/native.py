@@ -62,6 +62,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_cpu_has_avx2": (c_int32, []),
     "q4_cpu_has_avx512": (c_int32, []),
     "q4_cpu_has_avx512_bf16": (c_int32, []),
+    "q4_cpu_has_amx": (c_int32, []),
     "q4_cpu_features_json": (ctypes.c_char_p, []),
     "q4_set_cpu_isa": (c_int32, [c_int32]),
     "q4_cpu_num_threads": (c_int32, []),
@@ -190,7 +191,7 @@ def cuda_device_count() -> int:
     return int(lib().q4_cuda_device_count()) if has_cuda() else 0
 
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx"}
 
 
 def _check_env() -> None:
@@ -206,8 +207,8 @@ def _check_env() -> None:
 
 
 def cpu_isa() -> str:
-    """The ISA level the CPU kernels use now: 'scalar', 'avx2', 'avx512' or
-    'avx512_bf16' (each implies the ones before it)."""
+    """The ISA level the CPU kernels use now: 'scalar', 'avx2', 'avx512',
+    'avx512_bf16' or 'amx' (each implies the ones before it)."""
     return ISA_NAMES[lib().q4_cpu_isa()]
 
 
@@ -231,6 +232,13 @@ def cpu_has_avx512() -> bool:
 def cpu_has_avx512_bf16() -> bool:
     """AVX-512 with AVX512_BF16 and AVX512_VNNI (the avx512_bf16 level)."""
     return bool(lib().q4_cpu_has_avx512_bf16())
+
+
+def cpu_has_amx() -> bool:
+    """The amx level: avx512_bf16 plus AMX-TILE, AMX-BF16 and AMX-INT8, with the
+    operating system's permission to use the tile data (Linux, asked for once
+    per process)."""
+    return bool(lib().q4_cpu_has_amx())
 
 
 def cpu_features() -> dict:

@@ -66,18 +66,18 @@ def check(got, a64, b64, length, out_dtype, bias=None, what=""):
     check_accumulation_bound(got, a64, b64, length, out_dtype, bias, TINY, what)
 
 
-def forward(x, packed, state, w32, out_dtype, bias=None, what=""):
+def forward(x, packed, state, w32, out_dtype, bias=None, what="", kernel=KERNEL_FWD):
     y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype)
     assert y.dtype == NP_DTYPE[out_dtype]
-    assert last_kernels()["gemm_4bit"] == KERNEL_FWD, what
+    assert last_kernels()["gemm_4bit"] == kernel, what
     check(y, flush(x.astype(np.float64)), bf16_exact(w32).T, x.shape[1], out_dtype, bias, what)
     return y
 
 
-def grad(g, packed, state, w32, out_dtype, what=""):
+def grad(g, packed, state, w32, out_dtype, what="", kernel=KERNEL_GRAD):
     dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype=out_dtype)
     assert dx.dtype == NP_DTYPE[out_dtype]
-    assert last_kernels()["gemm_4bit_grad_input"] == KERNEL_GRAD, what
+    assert last_kernels()["gemm_4bit_grad_input"] == kernel, what
     check(dx, flush(g.astype(np.float64)), bf16_exact(w32), g.shape[1], out_dtype, None, what)
     return dx
 

@@ -238,7 +238,7 @@ GRAD_NK = [(13, 37), (300, 77), (1000, 23)]
 def grad_kernel(isa: str, m: int) -> str:
     """The int8 input-gradient kernel a level runs for m rows (the AVX-512
     strip kernel from 48 rows; int8.cc's loops below)."""
-    if isa in ("avx512", "avx512_bf16") and m >= 48:
+    if isa in ("avx512", "avx512_bf16", "amx") and m >= 48:
         return "avx512.int8_grad"
     return "scalar.int8_grad" if isa == "scalar" else "avx2.int8_grad"
 
@@ -288,6 +288,7 @@ INT8_KERNEL = {
     "avx2": "avx2.int8_dots",
     "avx512": "avx2.int8_dots",
     "avx512_bf16": "avx512_bf16.int8_dots",
+    "amx": "avx512_bf16.int8_dots",
 }
 
 
@@ -300,6 +301,7 @@ def test_every_level_agrees_bit_for_bit():
             ("avx2", q4.cpu_has_avx2()),
             ("avx512", q4.cpu_has_avx512()),
             ("avx512_bf16", q4.cpu_has_avx512_bf16()),
+            ("amx", q4.cpu_has_amx()),
         )
         if ok
     ]

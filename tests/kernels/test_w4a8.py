@@ -16,8 +16,14 @@ from reference.matmul import quantized_weight
 import q4
 
 NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
-KERNEL = {"scalar": "scalar.w4a8", "avx2": "scalar.w4a8", "avx512": "scalar.w4a8", "avx512_bf16": "avx512_bf16.w4a8"}
+LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16", "amx"]
+KERNEL = {
+    "scalar": "scalar.w4a8",
+    "avx2": "scalar.w4a8",
+    "avx512": "scalar.w4a8",
+    "avx512_bf16": "avx512_bf16.w4a8",
+    "amx": "avx512_bf16.w4a8",
+}
 
 
 def weight_absmax(state) -> np.ndarray:

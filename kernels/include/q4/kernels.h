@@ -265,12 +265,13 @@ Status validate_code_book(const float* code);
 // (F, BW, VL: 512-bit fp32 kernels); avx512_bf16 (+AVX512_BF16 and
 // AVX512_VNNI: bf16 dot products for bf16 inputs). The default is the best
 // level the processor and the OS support.
-enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3 };
+enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3, kIsaAmx = 4 };
 Isa cpu_isa();                          // active level
 const char* cpu_isa_name(int32_t isa);  // "scalar", ..., or "" if out of range
 bool cpu_has_avx2();                    // what the processor supports
 bool cpu_has_avx512();
 bool cpu_has_avx512_bf16();
+bool cpu_has_amx();               // the amx level: AMX-TILE/BF16/INT8 and the OS permission for tile data
 Status set_cpu_isa(int32_t isa);  // force one (scalar always; others if supported)
 // Detected features, the active level, each op's kernel chain and the kernel
 // each op last ran, as a JSON object.

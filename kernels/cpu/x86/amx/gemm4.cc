@@ -1,0 +1,356 @@
+// AMX kernels of the fused 4-bit matmuls: bf16 compute for bf16 inputs on the
+// tile unit (TDPBF16PS), at the amx level (AVX512_BF16 + AMX-TILE, AMX-BF16,
+// AMX-INT8, and the OS's permission for the tile data; isa.cc).
+//
+// Contract: the bf16-compute contract of x86/avx512_bf16/gemm4.cc. Each W
+// element is decode(nibble) * scale(block) in fp32 rounded once to bf16 (the
+// same decode, bf16_decode.h); TDPBF16PS, like vdpbf16ps, multiplies bf16
+// pairs exactly, accumulates in fp32 rounding to nearest even, treats denormal
+// inputs as zero and flushes denormal results. Only the order of the fp32
+// additions differs from the avx512_bf16 paths (the error bound there holds
+// as it is). Work is split over W row tiles (forward) and dX column strips
+// (gradient), each output summed in a fixed order: results do not depend on
+// the thread count.
+//
+// Forward, C[W row][x row] = W . x^T: x is packed once into the avx512_bf16
+// tiled path's panels ([k/2 pairs][16 rows] dwords: the 16 pairs of one
+// 32-element k step of a panel are one B tile, 1 KiB). W is decoded 32 rows
+// at a time over all of k, k step by k step ([k/32][32 rows][16 dwords]: the
+// A tiles of rows 0-15 and 16-31, 1 KiB each), and multiplied by every panel
+// of an x block, 2 W row tiles x 2 panels of C in the tile registers over all
+// of k. An x block is as many panels as fit the L2 beside two decoded W
+// tiles; it stays there while the W tiles pass. The next W tile is decoded
+// inside the current one's tile products: the AVX-512 decode and the tile
+// unit run side by side.
+//
+// Input gradient, dX[m, c] = sum_n dY[m, n] W[n, c]: threads own strips of
+// 64 dX columns; the strip's W rows are decoded as interleaved row pairs
+// (bf16_decode.h decode_pair: [n/2 pairs][64 columns] dwords, the B tiles of 16
+// columns at a 256-byte stride); dY rows are the A tiles (copied into a
+// zero-padded block when m or n is not a multiple of 16 or 32); C = 2 x 16
+// dY rows x 2 column groups of 16 per pass.
+//
+// Shapes served: bf16 inputs, k % 64 == 0, m >= kMinM (fewer rows take the
+// avx512_bf16 gemv); other calls return false and the next kernel runs.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "../../dispatch.h"
+#include "../../gemm4_common.h"
+#include "../../parallel.h"
+#include "q4/common.h"
+#include "q4/kernels.h"
+#include "q4/quant4.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c,amx-tile,amx-bf16,amx-int8")
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (GCC bug 105593)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+#include "../avx512/scale_decoder.h"
+#include "../avx512_bf16/bf16_decode.h"
+#include "tiles.h"
+
+namespace q4 {
+namespace cpu {
+namespace amx {
+namespace {
+
+using gemm4::kSlotAcc;
+using gemm4::kSlotInput;
+using gemm4::kSlotPanels;
+using gemm4::kSlotRow;
+using gemm4::log2_exact;
+
+constexpr int64_t kMinM = 8;                     // x rows from which the tile path runs (measured crossover)
+constexpr int64_t kWRows = 32;                   // W rows per decoded W tile (two A tiles)
+constexpr int64_t kStepDwords = kWRows * 16;     // one k step of a decoded W tile
+constexpr int64_t kL2Budget = int64_t(3) << 19;  // bytes of L2 for an x block and two W tiles (1.5 MiB)
+
+// Decodes W rows [r0, r0 + rows) over all of k into wt, one 64-element chunk
+// per step(): chunk c of row r gives k steps 2c (even elements) and 2c + 1
+// (odd), at wt + (s * kWRows + r) * 16. sc[b - b0] = scale of block b.
+template <bool TWO>
+struct WTileDecoder {
+  const uint8_t* packed;
+  int64_t k;
+  int shift;
+  __m512 codes;
+  const float* sc;
+  int64_t b0, r0, rows;
+  uint32_t* wt;
+  int64_t r = 0, c = 0;  // next chunk
+
+  bool done() const { return r >= rows; }
+  __attribute__((always_inline)) inline void step() {
+    const uint64_t f = uint64_t((r0 + r) * k + c);
+    const int64_t b = int64_t(f >> shift) - b0;
+    const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
+    const Chunk w = decode_chunk<TWO>(packed + (f >> 1), tab, upper_half_bit());
+    uint32_t* dst = wt + r * (k / 2) + c / 2;
+    _mm512_store_si512(dst, w.hi);
+    _mm512_store_si512(dst + 16, w.lo);
+    c += kChunk;
+    if (c >= k) {
+      c = 0;
+      ++r;
+    }
+  }
+  void finish() {
+    while (!done()) step();
+  }
+};
+
+// C tiles 0-3 = W rows 0-15 / 16-31 x panels 0 / 1 (Q panels) of the W tile
+// wt times the panels at xp (panel stride ps dwords), over `steps` k steps;
+// stored to acc[(panel * kWRows + r) * 16 + lane]. `per` chunks of the next W
+// tile are decoded per k step.
+template <int Q, bool TWO>
+void tile_product(const uint32_t* wt, const uint32_t* xp, int64_t ps, int64_t steps, float* acc, WTileDecoder<TWO>* dec,
+                  int64_t per) {
+  const int64_t ldw = steps * 64;  // bytes per decoded W row
+  _tile_zero(0);
+  _tile_zero(1);
+  if (Q == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t i = 0; i < per && !dec->done(); ++i) dec->step();
+    _tile_loadd(4, wt + s * 16, ldw);
+    _tile_loadd(5, wt + 16 * (ldw / 4) + s * 16, ldw);
+    _tile_loadd(6, xp + s * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if (Q == 2) {
+      _tile_loadd(7, xp + ps + s * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 64);
+  _tile_stored(1, acc + 256, 64);
+  if (Q == 2) {
+    _tile_stored(2, acc + 512, 64);
+    _tile_stored(3, acc + 768, 64);
+  }
+}
+
+template <typename OutT, typename BiasT, bool TWO>
+void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  const int64_t panels = ceil_div(m, kPanel), steps = k / 32, ps = (k / 2) * kPanel;
+  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * ps * 4);
+  pack_panels(static_cast<const uint16_t*>(p.x), m, k, xp);
+  const __m512 codes = code_table(p.quant_type);
+  const int64_t wt_dwords = steps * kStepDwords, panel_bytes = ps * 4;
+  const int64_t block = max64(2, (kL2Budget - 2 * wt_dwords * 4) / panel_bytes) & ~int64_t(1);
+  OutT* out = static_cast<OutT*>(p.out);
+  parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    const int64_t sc_count = ((kWRows * k) >> shift) + 4;
+    uint32_t* wt0 = scratch_as<uint32_t>(kSlotRow, 2 * wt_dwords * 4 + sc_count * 4);
+    float* sc = reinterpret_cast<float*>(wt0 + 2 * wt_dwords);
+    float* acc = scratch_as<float>(kSlotAcc, 4 * 256 * 4);
+    // the decoder of W tile `tile` into wt (its scales decoded now; rows past
+    // the end of W zero)
+    auto decoder = [&](int64_t tile, uint32_t* wt) {
+      const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
+      const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+      scales.decode(b0, b1, sc);
+      if (rows < kWRows) memset(wt + rows * (k / 2), 0, size_t((kWRows - rows) * k * 2));
+      return WTileDecoder<TWO>{p.packed, k, shift, codes, sc, b0, r0, rows, wt};
+    };
+    int cur = 0;
+    decoder(t0, wt0).finish();
+    for (int64_t q0 = 0; q0 < panels; q0 += block) {
+      const int64_t qe = min64(panels, q0 + block);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        // the W tile decoded next: the next one of this block, or the first
+        // one again for the next block (unless it is this one)
+        const int64_t next = tile + 1 < t1 ? tile + 1 : (qe < panels && t0 != tile ? t0 : -1);
+        uint32_t* wt = wt0 + cur * wt_dwords;
+        WTileDecoder<TWO> dec = next >= 0 ? decoder(next, wt0 + (cur ^ 1) * wt_dwords)
+                                          : WTileDecoder<TWO>{p.packed, k, shift, codes, sc, 0, 0, 0, wt};
+        const int64_t per = ceil_div(dec.rows * (k / kChunk), ceil_div(qe - q0, 2) * steps);
+        const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
+        for (int64_t q = q0; q < qe; q += 2) {
+          if (qe - q >= 2)
+            tile_product<2, TWO>(wt, xp + q * ps, ps, steps, acc, &dec, per);
+          else
+            tile_product<1, TWO>(wt, xp + q * ps, ps, steps, acc, &dec, per);
+          store_tiles<OutT, BiasT>(acc, kWRows, rows, min64(2 * kPanel, m - q * kPanel), n, r0, p.bias,
+                                   out + q * kPanel * n);
+        }
+        dec.finish();
+        if (next >= 0) cur ^= 1;
+      }
+    }
+    _tile_release();
+  });
+}
+
+// ------------------------------------------------------------ input gradient
+
+// C tiles 0-3 = dY rows 0-15 / 16-31 (A tiles at dy, row stride ldy bytes) x
+// column groups g, g + 1 of the strip (B tiles at wt + q * 256 dwords, k step
+// s at + s * 1024), over `steps` steps of 16 W row pairs; stored to acc[r *
+// kStrip + q * 16 + lane]. G2: both dY row groups.
+template <bool G2>
+void grad_product(const uint16_t* dy, int64_t ldy, const uint32_t* wt, int64_t steps, float* acc) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if (G2) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, wt + s * 1024, 64);
+    _tile_loadd(7, wt + s * 1024 + 256, 64);
+    _tile_loadd(4, dy + s * 32, ldy);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    if (G2) {
+      _tile_loadd(5, dy + 16 * (ldy / 2) + s * 32, ldy);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, kStrip * 4);
+  _tile_stored(2, acc + 16, kStrip * 4);
+  if (G2) {
+    _tile_stored(1, acc + 16 * kStrip, kStrip * 4);
+    _tile_stored(3, acc + 16 * kStrip + 16, kStrip * 4);
+  }
+}
+
+template <typename OutT, bool TWO>
+void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  // dY as A tiles: rows padded to 16, row length to 32 (zeros), 4-byte aligned
+  const int64_t mp = ceil_div(m, 16) * 16, np = ceil_div(n, 32) * 32, steps = np / 32;
+  const uint16_t* dy = static_cast<const uint16_t*>(p.grad_out);
+  int64_t ldy = n * 2;  // bytes
+  if (mp != m || np != n || reinterpret_cast<uintptr_t>(dy) % 4 != 0) {
+    uint16_t* pad = scratch_as<uint16_t>(kSlotInput, mp * np * 2);
+    parallel_for(mp, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        uint16_t* row = pad + r * np;
+        if (r < m) memcpy(row, dy + r * n, size_t(n) * 2);
+        memset(row + (r < m ? n : 0), 0, size_t(r < m ? np - n : np) * 2);
+      }
+    });
+    dy = pad;
+    ldy = np * 2;
+  }
+  // every block scale, decoded once (the strips read them with stride k)
+  const int64_t n_blocks = ceil_div(n * k, p.blocksize);
+  float* sc_all = scratch_as<float>(kSlotPanels, n_blocks * 4);
+  parallel_for(ceil_div(n_blocks, 4096), 1, [&](int64_t u0, int64_t u1) {
+    scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
+  });
+  const __m512 codes = code_table(p.quant_type);
+  const int64_t wt_dwords = steps * 1024;  // a strip's W: [steps][4 groups][16 pairs][16 dwords]
+  // dY rows per block: kept in the L2 while the strips pass
+  const int64_t block = max64(32, (kL2Budget - wt_dwords * 4) / ldy / 32 * 32);
+  OutT* out = static_cast<OutT*>(p.grad_input);
+  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) {
+    configure_tiles();
+    const __m512i half = upper_half_bit();
+    const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
+    uint32_t* wt = scratch_as<uint32_t>(kSlotRow, wt_dwords * 4);
+    float* acc = scratch_as<float>(kSlotAcc, 32 * kStrip * 4);
+    const int64_t pairs = (n + 1) / 2;
+    memset(wt + (pairs / 16) * 1024, 0, size_t(wt_dwords - (pairs / 16) * 1024) * 4);  // pairs past n: zero
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+      const int64_t re = min64(m, r0 + block);
+      for (int64_t st = s0; st < s1; ++st) {
+        const int64_t c0 = st * kStrip;
+        for (int64_t t = 0; t < pairs; ++t) {
+          __m512i z[4];
+          decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t(2 * t * k + c0), k, 2 * t + 1 < n, half, i_lo, i_hi,
+                           z);
+          uint32_t* dst = wt + (t / 16) * 1024 + (t % 16) * 16;
+          for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + q * 256, z[q]);
+        }
+        for (int64_t r = r0; r < re; r += 32) {
+          const uint16_t* a = dy + r * (ldy / 2);
+          const bool g2 = re - r > 16;
+          for (int g = 0; g < 4; g += 2) {
+            if (g2)
+              grad_product<true>(a, ldy, wt + g * 256, steps, acc + g * 16);
+            else
+              grad_product<false>(a, ldy, wt + g * 256, steps, acc + g * 16);
+          }
+          store_strip<OutT>(acc, min64(32, re - r), k, c0, out + r * k);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+template <typename F>
+void with_out_type(DType dt, F&& f) {
+  if (dt == kF32) return f(static_cast<float*>(nullptr));
+  if (dt == kBF16) return f(static_cast<bf16_t*>(nullptr));
+  f(static_cast<f16_t*>(nullptr));
+}
+
+}  // namespace
+
+bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
+  if (p.x_dtype != kBF16 || p.k % kChunk != 0 || p.m < kMinM) return false;
+  if (reinterpret_cast<uintptr_t>(p.x) % 2 != 0) return false;
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
+  with_out_type(p.out_dtype, [&](auto* o) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) {
+      using BiasT = std::remove_pointer_t<decltype(b)>;
+      if (p.blocksize == 32) return forward<OutT, BiasT, true>(p, scales);
+      forward<OutT, BiasT, false>(p, scales);
+    });
+  });
+  return true;
+}
+
+bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
+  if (p.grad_out_dtype != kBF16 || p.k % kChunk != 0 || p.m < kMinM) return false;
+  if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  with_out_type(p.grad_input_dtype, [&](auto* o) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    if (p.blocksize == 32) return grad<OutT, true>(p, scales);
+    grad<OutT, false>(p, scales);
+  });
+  return true;
+}
+
+}  // namespace amx
+}  // namespace cpu
+}  // namespace q4
+
+#pragma GCC diagnostic pop
+
+#else  // not x86: no entries
+
+namespace q4 {
+namespace cpu {
+namespace amx {
+bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
+bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
+}  // namespace amx
+}  // namespace cpu
+}  // namespace q4
+
+#endif

@@ -1,0 +1,166 @@
+"""bf16-compute fused 4-bit matmuls on the AMX tile unit (the amx level,
+kernels/cpu/x86/amx/gemm4.cc), through q4's numpy API, against the fp64
+oracle of the bf16-compute contract (test_gemm4_bf16.py: the contract, the
+oracle and its error bound, which the tile kernels share; only the order of
+their fp32 additions differs).
+
+Fewer than AMX_MIN_M x / dY rows are served by the avx512_bf16 kernels on
+this level; from AMX_MIN_M on by the tile kernels, whose blocking these shapes
+reach: W tiles of 32 rows (partial last tile), x panels of 16 rows (partial
+last panel, one or two per tile pass), x blocks of L2 size (k = 4096: 8
+panels a block), dY rows padded to 16 and their length to 32, dY blocks of L2
+size (n = 4096: 128 rows a block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernels.test_gemm4_bf16 import (
+    BF16,
+    FORMATS,
+    TINY,
+    bf16_exact,
+    bf16_input,
+    forward,
+    grad,
+    last_kernels,
+)
+from reference.matmul import quantized_weight as make_weight
+
+import q4
+
+ISA = "amx"
+pytestmark = pytest.mark.usefixtures("module_isa")
+
+AMX_MIN_M = 8  # kMinM in kernels/cpu/x86/amx/gemm4.cc
+FWD, GRAD = "amx.gemm4", "amx.grad4"
+
+
+def fwd_kernel(m: int) -> str:
+    return FWD if m >= AMX_MIN_M else "avx512_bf16.gemm4"
+
+
+def grad_kernel(m: int) -> str:
+    return GRAD if m >= AMX_MIN_M else "avx512_bf16.grad4"
+
+
+@pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_forward_and_grad_match_oracle(rng, quant_type, nested, blocksize, out_dtype):
+    n, k = 77, 320  # a partial W tile; n odd and not a multiple of 32 (the gradient pads)
+    packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
+    for i, m in enumerate((7, 8, 16, 17, 33, 64)):
+        x = bf16_input(rng, (m, k))
+        bias = [None, bf16_input(rng, (n,)), (rng.standard_normal(n) * 3).astype(np.float32)][i % 3]
+        forward(x, packed, state, w32, out_dtype, bias, what=f"forward m={m}", kernel=fwd_kernel(m))
+        g = bf16_input(rng, (m, n))
+        grad(g, packed, state, w32, out_dtype, what=f"grad m={m}", kernel=grad_kernel(m))
+
+
+@pytest.mark.parametrize(
+    "m, n, k, blocksize",
+    [
+        (300, 40, 4096, 64),  # forward: three x blocks (8 + 8 + 3 panels), the last panel partial
+        (200, 4096, 128, 64),  # gradient: two dY blocks (128 + 72 rows)
+        (48, 96, 4160, 32),  # k not a multiple of 128; two scales per 64-element chunk
+        (40, 33, 1408, 256),  # blocks straddle W rows; one W row past a tile
+        (9, 1, 64, 4096),  # one output column; the gradient's single, padded pair of W rows
+    ],
+)
+def test_blocking(rng, m, n, k, blocksize):
+    packed, state, w32 = make_weight(rng, n, k, blocksize, "nf4", True)
+    x = bf16_input(rng, (m, k))
+    forward(x, packed, state, w32, "bfloat16", bf16_input(rng, (n,)), what=f"forward {(m, n, k)}", kernel=FWD)
+    forward(x, packed, state, w32, "float32", None, what=f"forward {(m, n, k)} fp32 out", kernel=FWD)
+    g = bf16_input(rng, (m, n))
+    grad(g, packed, state, w32, "float32", what=f"grad {(m, n, k)}", kernel=GRAD)
+    grad(g, packed, state, w32, "float16", what=f"grad {(m, n, k)} fp16 out", kernel=GRAD)
+
+
+def test_exact_cases(rng):
+    """W = identity: y = x and dX = dY exactly; a zero W gives exact zeros."""
+    k = 128
+    for quant_type in ("nf4", "fp4"):
+        packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, quant_type)
+        state = q4.QuantState(quant_type, 64, (k, k), "float32", absmax)
+        for m in (8, 33):
+            x = bf16_input(rng, (m, k))
+            assert np.array_equal(q4.gemm_4bit(x, packed, state, out_dtype="float32"), x.astype(np.float32))
+            assert last_kernels()["gemm_4bit"] == FWD
+            assert np.array_equal(q4.gemm_4bit_grad_input(x, packed, state), x)
+            assert last_kernels()["gemm_4bit_grad_input"] == GRAD
+    packed, absmax = q4.quantize_4bit(np.zeros((48, 64), np.float32), 64, "nf4")
+    state = q4.QuantState("nf4", 64, (48, 64), "float32", absmax)
+    y = q4.gemm_4bit(bf16_input(rng, (20, 64)), packed, state, out_dtype="float32")
+    assert np.array_equal(y, np.zeros((20, 48), np.float32))
+
+
+def test_nan_inf_and_denormal_inputs(rng):
+    """NaN / inf rows propagate to their outputs only; denormal inputs count
+    as zero (TDPBF16PS, like vdpbf16ps, treats them so)."""
+    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", False)
+    x = bf16_input(rng, (20, 128))
+    x[1, 5] = np.nan
+    x[2, 7] = np.inf
+    y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit"] == FWD
+    assert np.isnan(y[1]).all()
+    w_col = bf16_exact(w32)[:, 7]
+    assert np.array_equal(np.isnan(y[2]), w_col == 0)  # inf * 0 is NaN
+    assert np.isfinite(np.delete(y, [1, 2], axis=0)).all()
+    g = bf16_input(rng, (20, 40))
+    g[1, 3] = np.nan
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+    assert np.isnan(dx[1]).all() and np.isfinite(np.delete(dx, 1, axis=0)).all()
+    big, bstate, bw32 = make_weight(rng, 40, 128, 64, "nf4", False, scale=2.0**100)
+    xd = (rng.standard_normal((9, 128)) * 1e-39).astype(np.float32).astype(BF16)
+    assert np.all(np.abs(xd.astype(np.float64)) < TINY) and np.any(xd.astype(np.float64) != 0)
+    yd = forward(xd, big, bstate, bw32, "float32", what="denormal x", kernel=FWD)
+    assert np.array_equal(yd, np.zeros_like(yd))
+    gd = (rng.standard_normal((9, 40)) * 1e-39).astype(np.float32).astype(BF16)
+    assert np.array_equal(q4.gemm_4bit_grad_input(gd, big, bstate, out_dtype="float32"), np.zeros((9, 128), np.float32))
+
+
+@pytest.mark.parametrize("m", [8, 17, 40, 130])
+def test_bit_identical_across_thread_counts(rng, m):
+    n, k = 203, 1216
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
+    x, g, bias = bf16_input(rng, (m, k)), bf16_input(rng, (m, n)), bf16_input(rng, (n,))
+    outs = []
+    for threads in (1, 2, 3):
+        q4.set_num_threads(threads)
+        outs.append(
+            (
+                q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32"),
+                q4.gemm_4bit(x, packed, state),
+                q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"),
+            )
+        )
+        assert last_kernels()["gemm_4bit_grad_input"] == GRAD
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert a.tobytes() == b.tobytes()
+
+
+def test_misaligned_inputs(rng):
+    """Inputs at an address that is 2 mod 4: the same bits as aligned ones."""
+    n, k, m = 64, 128, 20
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", False)
+    buf = np.zeros(m * max(n, k) * 2 + 8, np.uint8)
+    x = bf16_input(rng, (m, k))
+    xm = buf[2 : 2 + x.nbytes].view(BF16).reshape(m, k)
+    xm[...] = x
+    assert np.array_equal(q4.gemm_4bit(xm, packed, state), q4.gemm_4bit(x, packed, state))
+    g = bf16_input(rng, (m, n))
+    gm = buf[2 : 2 + g.nbytes].view(BF16).reshape(m, n)
+    gm[...] = g
+    assert np.array_equal(q4.gemm_4bit_grad_input(gm, packed, state), q4.gemm_4bit_grad_input(g, packed, state))
+    assert last_kernels()["gemm_4bit_grad_input"] == GRAD
+
+
+def test_level_reports_its_chain():
+    f = q4.cpu_features()
+    assert f["isa"] == "amx" and f["features"]["amx"]
+    assert f["kernels"]["gemm_4bit"][:2] == [FWD, "avx512_bf16.gemm4"]
+    assert f["kernels"]["gemm_4bit_grad_input"][:2] == [GRAD, "avx512_bf16.grad4"]
