@@ -68,63 +68,64 @@ using gemm4::kSlotPanels;
 using gemm4::kSlotRow;
 using gemm4::log2_exact;
 
-constexpr int64_t kMinM = 8;                     // x rows from which the tile path runs (measured crossover)
-constexpr int64_t kWRows = 32;                   // W rows per decoded W tile (two A tiles)
-constexpr int64_t kStepDwords = kWRows * 16;     // one k step of a decoded W tile
-constexpr int64_t kL2Budget = int64_t(3) << 19;  // bytes of L2 for an x block and two W tiles (1.5 MiB)
+constexpr int64_t kMinM = 3;    // x rows from which the tile path runs (measured crossover)
+constexpr int64_t kWRows = 32;  // W rows per decoded W tile (two A tiles)
+constexpr int64_t kSegK = 256;  // W columns decoded per segment (32 rows: 16 KiB of bf16, stays in L1)
+constexpr int64_t kXBlockBytes = int64_t(3) << 19;  // x panels kept in L2 while the W tiles pass (1.5 MiB)
+constexpr int64_t kL2Budget = int64_t(3) << 19;     // bytes of L2 for a dY block and a decoded W strip
 
-// Decodes W rows [r0, r0 + rows) over all of k into wt, one 64-element chunk
-// per step(): chunk c of row r gives k steps 2c (even elements) and 2c + 1
-// (odd), at wt + (s * kWRows + r) * 16. sc[b - b0] = scale of block b.
+// Decodes W rows [r0, r0 + rows) x columns [c0, c0 + len) into the segment
+// buffer ws (row r at ws + r * kSegK / 2 dwords; each 64-element chunk as its
+// 32 even elements, then its 32 odd ones: k steps 2c and 2c + 1 of chunk c),
+// and asks for each row's bytes of the next segment. sc[b - b0] = scale of
+// block b.
 template <bool TWO>
-struct WTileDecoder {
-  const uint8_t* packed;
-  int64_t k;
-  int shift;
-  __m512 codes;
-  const float* sc;
-  int64_t b0, r0, rows;
-  uint32_t* wt;
-  int64_t r = 0, c = 0;  // next chunk
-
-  bool done() const { return r >= rows; }
-  __attribute__((always_inline)) inline void step() {
-    const uint64_t f = uint64_t((r0 + r) * k + c);
-    const int64_t b = int64_t(f >> shift) - b0;
-    const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
-    const Chunk w = decode_chunk<TWO>(packed + (f >> 1), tab, upper_half_bit());
-    uint32_t* dst = wt + r * (k / 2) + c / 2;
-    _mm512_store_si512(dst, w.hi);
-    _mm512_store_si512(dst + 16, w.lo);
-    c += kChunk;
-    if (c >= k) {
-      c = 0;
-      ++r;
+void decode_segment(const uint8_t* packed, int64_t k, int shift, __m512 codes, const float* sc, int64_t b0, int64_t r0,
+                    int64_t rows, int64_t c0, int64_t len, uint32_t* ws) {
+  const __m512i half = upper_half_bit();
+  for (int64_t r = 0; r < rows; ++r) {
+    uint64_t g = uint64_t((r0 + r) * k + c0);
+    if (c0 + len < k)
+      for (int64_t l = 0; l < min64(kSegK, k - c0 - len); l += 128)
+        _mm_prefetch(reinterpret_cast<const char*>(packed + ((g + len + l) >> 1)), _MM_HINT_T0);
+    uint32_t* d = ws + r * (kSegK / 2);
+    for (int64_t c = 0; c < len; c += kChunk, g += kChunk, d += 32) {
+      const int64_t b = int64_t(g >> shift) - b0;
+      const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
+      const Chunk w = decode_chunk<TWO>(packed + (g >> 1), tab, half);
+      _mm512_store_si512(d, w.hi);
+      _mm512_store_si512(d + 16, w.lo);
     }
   }
-  void finish() {
-    while (!done()) step();
-  }
-};
+}
 
-// C tiles 0-3 = W rows 0-15 / 16-31 x panels 0 / 1 (Q panels) of the W tile
-// wt times the panels at xp (panel stride ps dwords), over `steps` k steps;
-// stored to acc[(panel * kWRows + r) * 16 + lane]. `per` chunks of the next W
-// tile are decoded per k step.
-template <int Q, bool TWO>
-void tile_product(const uint32_t* wt, const uint32_t* xp, int64_t ps, int64_t steps, float* acc, WTileDecoder<TWO>* dec,
-                  int64_t per) {
-  const int64_t ldw = steps * 64;  // bytes per decoded W row
-  _tile_zero(0);
-  _tile_zero(1);
-  if (Q == 2) {
-    _tile_zero(2);
-    _tile_zero(3);
+// C tiles 0-3 = W rows 0-15 / 16-31 x panels 0 / 1 (Q panels) += the W
+// segment ws times the panels at xp (panel stride ps dwords) over `steps` k
+// steps. C is zeroed first (fresh), else loaded from acc (load) or kept in the
+// tile registers from the previous segment; stored to acc[(panel * kWRows +
+// r) * 16 + lane] when `store`.
+template <int Q>
+void segment_product(const uint32_t* ws, const uint32_t* xp, int64_t ps, int64_t steps, float* acc, bool fresh,
+                     bool load, bool store) {
+  if (fresh) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (Q == 2) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  } else if (load) {
+    _tile_loadd(0, acc, 64);
+    _tile_loadd(1, acc + 256, 64);
+    if (Q == 2) {
+      _tile_loadd(2, acc + 512, 64);
+      _tile_loadd(3, acc + 768, 64);
+    }
   }
+  constexpr int64_t ldw = kSegK * 2;  // bytes per W row of the segment
   for (int64_t s = 0; s < steps; ++s) {
-    for (int64_t i = 0; i < per && !dec->done(); ++i) dec->step();
-    _tile_loadd(4, wt + s * 16, ldw);
-    _tile_loadd(5, wt + 16 * (ldw / 4) + s * 16, ldw);
+    _tile_loadd(4, ws + s * 16, ldw);
+    _tile_loadd(5, ws + 16 * (kSegK / 2) + s * 16, ldw);
     _tile_loadd(6, xp + s * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 5, 6);
@@ -134,11 +135,13 @@ void tile_product(const uint32_t* wt, const uint32_t* xp, int64_t ps, int64_t st
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc, 64);
-  _tile_stored(1, acc + 256, 64);
-  if (Q == 2) {
-    _tile_stored(2, acc + 512, 64);
-    _tile_stored(3, acc + 768, 64);
+  if (store) {
+    _tile_stored(0, acc, 64);
+    _tile_stored(1, acc + 256, 64);
+    if (Q == 2) {
+      _tile_stored(2, acc + 512, 64);
+      _tile_stored(3, acc + 768, 64);
+    }
   }
 }
 
@@ -146,51 +149,42 @@ template <typename OutT, typename BiasT, bool TWO>
 void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
-  const int64_t panels = ceil_div(m, kPanel), steps = k / 32, ps = (k / 2) * kPanel;
+  const int64_t panels = ceil_div(m, kPanel), ps = (k / 2) * kPanel;
   uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, panels * ps * 4);
   pack_panels(static_cast<const uint16_t*>(p.x), m, k, xp);
   const __m512 codes = code_table(p.quant_type);
-  const int64_t wt_dwords = steps * kStepDwords, panel_bytes = ps * 4;
-  const int64_t block = max64(2, (kL2Budget - 2 * wt_dwords * 4) / panel_bytes) & ~int64_t(1);
+  const int64_t block = max64(2, kXBlockBytes / (ps * 4)) & ~int64_t(1);  // panels per x block
   OutT* out = static_cast<OutT*>(p.out);
   parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
     const int64_t sc_count = ((kWRows * k) >> shift) + 4;
-    uint32_t* wt0 = scratch_as<uint32_t>(kSlotRow, 2 * wt_dwords * 4 + sc_count * 4);
-    float* sc = reinterpret_cast<float*>(wt0 + 2 * wt_dwords);
-    float* acc = scratch_as<float>(kSlotAcc, 4 * 256 * 4);
-    // the decoder of W tile `tile` into wt (its scales decoded now; rows past
-    // the end of W zero)
-    auto decoder = [&](int64_t tile, uint32_t* wt) {
-      const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
-      const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
-      scales.decode(b0, b1, sc);
-      if (rows < kWRows) memset(wt + rows * (k / 2), 0, size_t((kWRows - rows) * k * 2));
-      return WTileDecoder<TWO>{p.packed, k, shift, codes, sc, b0, r0, rows, wt};
-    };
-    int cur = 0;
-    decoder(t0, wt0).finish();
+    uint32_t* ws = scratch_as<uint32_t>(kSlotRow, kWRows * kSegK * 2 + sc_count * 4);
+    float* sc = reinterpret_cast<float*>(ws + kWRows * kSegK / 2);
+    float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 16 * 4);
     for (int64_t q0 = 0; q0 < panels; q0 += block) {
       const int64_t qe = min64(panels, q0 + block);
+      const bool one = qe - q0 <= 2;  // one panel pair: C stays in the tile registers over all of k
       for (int64_t tile = t0; tile < t1; ++tile) {
-        // the W tile decoded next: the next one of this block, or the first
-        // one again for the next block (unless it is this one)
-        const int64_t next = tile + 1 < t1 ? tile + 1 : (qe < panels && t0 != tile ? t0 : -1);
-        uint32_t* wt = wt0 + cur * wt_dwords;
-        WTileDecoder<TWO> dec = next >= 0 ? decoder(next, wt0 + (cur ^ 1) * wt_dwords)
-                                          : WTileDecoder<TWO>{p.packed, k, shift, codes, sc, 0, 0, 0, wt};
-        const int64_t per = ceil_div(dec.rows * (k / kChunk), ceil_div(qe - q0, 2) * steps);
         const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
-        for (int64_t q = q0; q < qe; q += 2) {
-          if (qe - q >= 2)
-            tile_product<2, TWO>(wt, xp + q * ps, ps, steps, acc, &dec, per);
-          else
-            tile_product<1, TWO>(wt, xp + q * ps, ps, steps, acc, &dec, per);
-          store_tiles<OutT, BiasT>(acc, kWRows, rows, min64(2 * kPanel, m - q * kPanel), n, r0, p.bias,
-                                   out + q * kPanel * n);
+        const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+        scales.decode(b0, b1, sc);
+        if (rows < kWRows) memset(ws + rows * (kSegK / 2), 0, size_t((kWRows - rows) * kSegK * 2));
+        for (int64_t c0 = 0; c0 < k; c0 += kSegK) {
+          const int64_t len = min64(kSegK, k - c0);
+          const bool last = c0 + len >= k;
+          decode_segment<TWO>(p.packed, k, shift, codes, sc, b0, r0, rows, c0, len, ws);
+          for (int64_t q = q0; q < qe; q += 2) {
+            float* a = acc + (q - q0) * kWRows * 16;
+            const uint32_t* x = xp + q * ps + (c0 / 2) * kPanel;
+            if (qe - q >= 2)
+              segment_product<2>(ws, x, ps, len / 32, a, c0 == 0, !one, !one || last);
+            else
+              segment_product<1>(ws, x, ps, len / 32, a, c0 == 0, !one, !one || last);
+          }
         }
-        dec.finish();
-        if (next >= 0) cur ^= 1;
+        for (int64_t q = q0; q < qe; q += 2)
+          store_tiles<OutT, BiasT>(acc + (q - q0) * kWRows * 16, kWRows, rows, min64(2 * kPanel, m - q * kPanel), n, r0,
+                                   p.bias, out + q * kPanel * n);
       }
     }
     _tile_release();
