@@ -36,6 +36,7 @@ template <typename Fn>
 struct Entry {
   const char* name;  // "<level>.<kernel>", reported by q4.cpu_features()
   Fn fn;
+  int64_t min_m;  // int8_gemm: the caller takes this entry from this many x rows on
 };
 
 constexpr int kMaxChain = 6;
@@ -43,7 +44,7 @@ template <typename Fn>
 struct Chain {
   Entry<Fn> entries[kMaxChain];
   int size = 0;
-  void add(const char* name, Fn fn) { entries[size++] = {name, fn}; }
+  void add(const char* name, Fn fn, int64_t min_m = 0) { entries[size++] = {name, fn, min_m}; }
 };
 
 // LLM.int8 dot products (the integer part of int8_linear, contract in
@@ -70,7 +71,9 @@ struct Int8Dots {
 using Int8DotsFn = bool (*)(const Int8Dots& d);
 // The same integer sums for a whole block: acc[i * lda + j] for i < m, j < n
 // (rows of xq at stride xs, zero beyond k up to a multiple of 4; w [n, k]).
-// For many x rows (the caller decides); runs its own parallel_for.
+// For many x rows: int8.cc takes the first entry whose min_m the row count
+// reaches (measured crossovers against int8_dots), else the int8_dots chain;
+// runs its own parallel_for. x_sums are for kernels with an unsigned operand.
 struct Int8Gemm {
   const int8_t* xq;
   int64_t xs;
@@ -159,6 +162,7 @@ bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // LLM.int8 dot products with vpdpbusd (AVX512_VNNI)
 bool int8_dots(const Int8Dots& d);
 bool int8_gemm(const Int8Gemm& g);
+constexpr int64_t kInt8GemmMinM = 64;  // measured: below it the int8_dots tiles are faster
 // W4A8 with vpdpbusd (x86/avx512_bf16/w4a8.cc)
 bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);
 }  // namespace avx512_bf16
@@ -167,6 +171,9 @@ namespace amx {
 // for other input dtypes and for few x rows (the avx512_bf16 gemv runs)
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+// LLM.int8 integer sums with TDPBSSD, x86/amx/int8.cc
+bool int8_gemm(const Int8Gemm& g);
+constexpr int64_t kInt8GemmMinM = 16;  // measured: below it the int8_dots tiles are faster
 }  // namespace amx
 
 }  // namespace cpu

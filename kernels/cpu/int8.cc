@@ -238,10 +238,10 @@ constexpr int kLinMR = 4, kLinNR = 4;  // the AVX2 and scalar loops take the W r
 constexpr int64_t kXPanelBytes = 256 << 10;
 constexpr int64_t kLinSubCols = 256;
 constexpr int64_t kLinAhead = 4;  // W row blocks of prefetch distance (int8_dots)
-// The int8_gemm chain (x rows as a block, cpu/dispatch.h) from this many x
-// rows, in blocks of kInt8GemmRows rows (their int32 sums kept in a scratch
-// buffer; each block of columns is finished by the thread that summed it).
-constexpr int64_t kInt8GemmMinM = 64;   // measured: below it the int8_dots tiles are faster
+// The int8_gemm chain (x rows as a block, cpu/dispatch.h; each entry from its
+// own min_m rows on), in blocks of kInt8GemmRows rows (their int32 sums kept in
+// a scratch buffer; each block of columns is finished by the thread that
+// summed it).
 constexpr int64_t kInt8GemmRows = 512;  // (each block packs W again: 256 rows took 8% of batch 512 in packing)
 constexpr int kSlotQuantX = 0;          // caller's scratch slots (parallel.h): the quantized x,
 constexpr int kSlotGemmSums = 1;        // and a row block's int32 sums
@@ -794,7 +794,9 @@ Status int8_linear(const Int8LinearParams& p) {
   const Chain<Int8DotsFn>& chain = kernel_table().int8_dots;
   const Int8DotsFn dots = chain.size > 0 ? chain.entries[0].fn : nullptr;
   const Chain<Int8GemmFn>& gemm_chain = kernel_table().int8_gemm;
-  const Int8GemmFn gemm = m >= kInt8GemmMinM && gemm_chain.size > 0 ? gemm_chain.entries[0].fn : nullptr;
+  int gemm_entry = 0;  // the first int8_gemm entry that takes m rows
+  while (gemm_entry < gemm_chain.size && m < gemm_chain.entries[gemm_entry].min_m) ++gemm_entry;
+  const Int8GemmFn gemm = gemm_entry < gemm_chain.size ? gemm_chain.entries[gemm_entry].fn : nullptr;
   std::vector<int32_t> x_sums;
   if (dots != nullptr || gemm != nullptr) {
     x_sums.resize(size_t(m));
@@ -802,7 +804,7 @@ Status int8_linear(const Int8LinearParams& p) {
       for (int64_t r = r0; r < r1; ++r) x_sums[size_t(r)] = row_sum(xq + r * kp, k, simd);
     });
   }
-  record_kernel(Op::kInt8Linear, gemm != nullptr   ? gemm_chain.entries[0].name
+  record_kernel(Op::kInt8Linear, gemm != nullptr   ? gemm_chain.entries[gemm_entry].name
                                  : dots != nullptr ? chain.entries[0].name
                                  : simd            ? "avx2.int8_dots"
                                                    : "scalar.int8_dots");

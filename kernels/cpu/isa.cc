@@ -104,12 +104,13 @@ cpu::KernelTable build_table(Isa isa) {
   if (isa >= kIsaAmx) {
     t.gemm4.add("amx.gemm4", cpu::amx::gemm4);
     t.grad4.add("amx.grad4", cpu::amx::grad4);
+    t.int8_gemm.add("amx.int8_gemm", cpu::amx::int8_gemm, cpu::amx::kInt8GemmMinM);
   }
   if (isa >= kIsaAvx512Bf16) {
     t.gemm4.add("avx512_bf16.gemm4", cpu::avx512_bf16::gemm4);
     t.grad4.add("avx512_bf16.grad4", cpu::avx512_bf16::grad4);
     t.int8_dots.add("avx512_bf16.int8_dots", cpu::avx512_bf16::int8_dots);
-    t.int8_gemm.add("avx512_bf16.int8_gemm", cpu::avx512_bf16::int8_gemm);
+    t.int8_gemm.add("avx512_bf16.int8_gemm", cpu::avx512_bf16::int8_gemm, cpu::avx512_bf16::kInt8GemmMinM);
     t.w4a8.add("avx512_bf16.w4a8", cpu::avx512_bf16::w4a8);
   }
   if (isa >= kIsaAvx512) {

@@ -406,20 +406,25 @@ def test_flush_denormal_mode_does_not_change_results(rng):
     assert np.array_equal(inputs.bits(want[-1]), inputs.bits(oracle.grad_input_f32(dy, w, tiny_scb)))
 
 
-def _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype):
-    """int8_linear on the avx512_bf16 level (checked to run the block kernel;
-    not run where the processor lacks the level) and on the scalar path."""
-    with on_isa("avx512_bf16"):
+# the block kernels (int8_gemm) and the x rows each level runs them from
+BLOCK_KERNELS = {"avx512_bf16": ("avx512_bf16.int8_gemm", 64), "amx": ("amx.int8_gemm", 16)}
+
+
+def _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype, level="avx512_bf16"):
+    """int8_linear on `level` (checked to run its block kernel; not run where
+    the processor lacks the level) and on the scalar path."""
+    with on_isa(level):
         y = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
-        assert q4.cpu_features()["last_kernel"]["int8_linear"] == "avx512_bf16.int8_gemm"
+        assert q4.cpu_features()["last_kernel"]["int8_linear"] == BLOCK_KERNELS[level][0]
     with on_isa("scalar"):
         y0 = q4.int8_linear(x, w, scb, threshold=threshold, bias=bias, out_dtype=out_dtype)
     return y, y0
 
 
+@pytest.mark.parametrize("level", list(BLOCK_KERNELS))
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
-def test_block_kernel_special_values_match_scalar(rng, threshold, out_dtype):
+def test_block_kernel_special_values_match_scalar(rng, threshold, out_dtype, level):
     """Inf, NaN, huge and subnormal rows through the block kernel's vectorized
     epilogue (NaN, overflow and rounding in every output dtype): the same
     bytes as the scalar path."""
@@ -432,25 +437,42 @@ def test_block_kernel_special_values_match_scalar(rng, threshold, out_dtype):
     w, scb = _weight(rng, n, k)
     bias = rng.standard_normal(n).astype(F32)
     with np.errstate(all="ignore"):
-        y, y0 = _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype)
+        y, y0 = _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype, level)
     assert np.isnan(inputs.to_f32(y0)).any()
     assert np.array_equal(inputs.bits(y), inputs.bits(y0))
 
 
+# (m, k, n); the amx kernel reads W in place (k % 64 == 0) but for its last
+# rows past a multiple of 32, from a zero-padded copy otherwise; x panels of 16
+# rows, in pairs
+BLOCK_SHAPES = [
+    (64, 4, 1),
+    (100, 1001, 77),
+    (300, 515, 130),
+    (1030, 130, 70),
+    (16, 128, 70),  # amx: 64 rows in place, 6 padded; one x panel
+    (33, 256, 64),  # amx: every row in place; a partial third panel
+    (70, 64, 200),  # amx: 192 rows in place (two blocks of 128 rows), 8 padded
+]
+
+
+@pytest.mark.parametrize("level", list(BLOCK_KERNELS))
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("threshold", [0.0, 6.0])
-@pytest.mark.parametrize("m,k,n", [(64, 4, 1), (100, 1001, 77), (300, 515, 130), (1030, 130, 70)])
-def test_block_kernel_matches_scalar(rng, m, k, n, threshold, out_dtype):
-    """From 64 x rows the avx512_bf16 level runs the block kernel (int8_gemm,
-    lanes = output columns, packed weight panels, x rows in blocks of 512; each
-    block of columns finished by the thread that summed it, with the
-    vectorized epilogue): the same bytes as the scalar path and as the
-    oracle."""
+@pytest.mark.parametrize("m,k,n", BLOCK_SHAPES)
+def test_block_kernel_matches_scalar(rng, m, k, n, threshold, out_dtype, level):
+    """From BLOCK_KERNELS' row count on, a level runs its block kernel
+    (int8_gemm: avx512_bf16 with lanes = output columns and packed weight
+    panels, amx with W rows as tiles; x rows in blocks of 512; each block of
+    columns finished by the thread that summed it, with the vectorized
+    epilogue): the same bytes as the scalar path and as the oracle."""
+    if m < BLOCK_KERNELS[level][1]:
+        m = BLOCK_KERNELS[level][1]  # the level's smallest block-kernel call
     x = _activations(rng, (m, k), "bfloat16", outlier_cols=(0, k - 1) if k > 1 else ())
     w, scb = _weight(rng, n, k)
     w[0, :] = -128
     bias = rng.standard_normal(n).astype(F32)
-    y, y0 = _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype)
+    y, y0 = _block_kernel_and_scalar(x, w, scb, threshold, bias, out_dtype, level)
     assert np.array_equal(inputs.bits(y), inputs.bits(y0))
     if out_dtype == "float32":
         ref = oracle.linear_f32(inputs.to_f32(x), w, scb, threshold, bias)
