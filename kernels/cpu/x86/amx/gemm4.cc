@@ -14,21 +14,30 @@
 //
 // Forward, C[W row][x row] = W . x^T: x is packed once into the avx512_bf16
 // tiled path's panels ([k/2 pairs][16 rows] dwords: the 16 pairs of one
-// 32-element k step of a panel are one B tile, 1 KiB). W is decoded 32 rows
-// at a time over all of k, k step by k step ([k/32][32 rows][16 dwords]: the
-// A tiles of rows 0-15 and 16-31, 1 KiB each), and multiplied by every panel
-// of an x block, 2 W row tiles x 2 panels of C in the tile registers over all
-// of k. An x block is as many panels as fit the L2 beside two decoded W
-// tiles; it stays there while the W tiles pass. The next W tile is decoded
-// inside the current one's tile products: the AVX-512 decode and the tile
-// unit run side by side.
+// 32-element k step of a panel are one B tile, 1 KiB). A thread takes tiles
+// of 32 W rows; per x block (as many panels as fit kXBlockBytes, kept in L2
+// while the W tiles pass) and W tile, W is decoded in segments of kSegK
+// columns into an L1 buffer (row r at r * kSegK / 2 dwords: A tiles of rows
+// 0-15 and 16-31 at a 512-byte stride) and multiplied by every panel pair of
+// the block, C = 2 W row groups x 2 panels in the tile registers (kept there
+// over all of k when the block is one panel pair, else carried in memory
+// between segments). Decoding into L1 rather than a whole-k tile in L2 took
+// the decode from ~8 to ~5 cycles per 64 elements: stores into L2-resident
+// lines cost ~3.4 cycles per chunk. The decode and the tile products do not
+// overlap on this core (measured: decode alone + tile products alone = the
+// whole), so the decode is the cost to cut.
 //
-// Input gradient, dX[m, c] = sum_n dY[m, n] W[n, c]: threads own strips of
-// 64 dX columns; the strip's W rows are decoded as interleaved row pairs
-// (bf16_decode.h decode_pair: [n/2 pairs][64 columns] dwords, the B tiles of 16
-// columns at a 256-byte stride); dY rows are the A tiles (copied into a
-// zero-padded block when m or n is not a multiple of 16 or 32); C = 2 x 16
-// dY rows x 2 column groups of 16 per pass.
+// Input gradient, dX[m, c] = sum_n dY[m, n] W[n, c]: dY is packed once into
+// A tiles ([16-row group][32-column step][16 rows][32 words], zero past m and
+// n: in place its rows would be 2n bytes apart, all in one L1 set at n = 4096).
+// Threads own strips of kAmxStrip dX columns; per dY block (rows whose packed
+// dY and strip sums fit kL2Budget) and strip, W is decoded kSegN rows at a
+// time as interleaved row pairs (bf16_decode.h decode_pair: B tiles of 16
+// pairs x 16 columns, 1 KiB each) into an L1 buffer, and C = 2 dY row groups x
+// 2 column groups is carried in memory between segments. A strip reads 32
+// bytes of every W row per 64 columns, rows k/2 bytes apart: latency-bound
+// (53 cycles per row pair from L3 against 17 from L2 in a microbenchmark), so
+// strips are 256 columns wide (two whole lines of each row).
 //
 // Shapes served: bf16 inputs, k % 64 == 0, m >= kMinM (fewer rows take the
 // avx512_bf16 gemv); other calls return false and the next kernel runs.
@@ -72,7 +81,9 @@ constexpr int64_t kMinM = 3;    // x rows from which the tile path runs (measure
 constexpr int64_t kWRows = 32;  // W rows per decoded W tile (two A tiles)
 constexpr int64_t kSegK = 256;  // W columns decoded per segment (32 rows: 16 KiB of bf16, stays in L1)
 constexpr int64_t kXBlockBytes = int64_t(3) << 19;  // x panels kept in L2 while the W tiles pass (1.5 MiB)
-constexpr int64_t kL2Budget = int64_t(3) << 19;     // bytes of L2 for a dY block and a decoded W strip
+constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole 64-byte lines of each W row)
+constexpr int64_t kSegN = 64;       // gradient: W rows decoded per segment (a strip's columns: 32 KiB, in L1)
+constexpr int64_t kL2Budget = int64_t(3) << 19;  // gradient: bytes of L2 for a dY block and its sums
 
 // Decodes W rows [r0, r0 + rows) x columns [c0, c0 + len) into the segment
 // buffer ws (row r at ws + r * kSegK / 2 dwords; each 64-element chunk as its
@@ -197,54 +208,78 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
 // column groups g, g + 1 of the strip (B tiles at wt + q * 256 dwords, k step
 // s at + s * 1024), over `steps` steps of 16 W row pairs; stored to acc[r *
 // kStrip + q * 16 + lane]. G2: both dY row groups.
+// C tiles 0-3 = dY rows 0-15 / 16-31 (A tiles: packed groups at dy and dy +
+// gs, k step s at + s * 512 words) x column groups g, g + 1 of the strip (B
+// tiles at wt + q * 256 dwords, k step s at + s * kAmxStrip * 16) += their
+// products over `steps` steps of 16 W row pairs; C starts at zero (fresh) or
+// from acc[r * kAmxStrip + q * 16 + lane], and is stored there. G2: both dY row
+// groups.
 template <bool G2>
-void grad_product(const uint16_t* dy, int64_t ldy, const uint32_t* wt, int64_t steps, float* acc) {
-  _tile_zero(0);
-  _tile_zero(2);
-  if (G2) {
-    _tile_zero(1);
-    _tile_zero(3);
+void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t steps, float* acc, bool fresh) {
+  constexpr int64_t lda = kAmxStrip * 4;           // bytes per row of acc
+  constexpr int64_t wstep = kAmxStrip / 16 * 256;  // dwords per k step of wt
+  if (fresh) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (G2) {
+      _tile_zero(1);
+      _tile_zero(3);
+    }
+  } else {
+    _tile_loadd(0, acc, lda);
+    _tile_loadd(2, acc + 16, lda);
+    if (G2) {
+      _tile_loadd(1, acc + 16 * kAmxStrip, lda);
+      _tile_loadd(3, acc + 16 * kAmxStrip + 16, lda);
+    }
   }
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, wt + s * 1024, 64);
-    _tile_loadd(7, wt + s * 1024 + 256, 64);
-    _tile_loadd(4, dy + s * 32, ldy);
+    _tile_loadd(6, wt + s * wstep, 64);
+    _tile_loadd(7, wt + s * wstep + 256, 64);
+    _tile_loadd(4, dy + s * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 4, 7);
     if (G2) {
-      _tile_loadd(5, dy + 16 * (ldy / 2) + s * 32, ldy);
+      _tile_loadd(5, dy + gs + s * 512, 64);
       _tile_dpbf16ps(1, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc, kStrip * 4);
-  _tile_stored(2, acc + 16, kStrip * 4);
+  _tile_stored(0, acc, lda);
+  _tile_stored(2, acc + 16, lda);
   if (G2) {
-    _tile_stored(1, acc + 16 * kStrip, kStrip * 4);
-    _tile_stored(3, acc + 16 * kStrip + 16, kStrip * 4);
+    _tile_stored(1, acc + 16 * kAmxStrip, lda);
+    _tile_stored(3, acc + 16 * kAmxStrip + 16, lda);
   }
+}
+
+// dY [m, n] -> dyp[group of 16 rows][step of 32 n][16 rows][32 words], zero
+// past m and n: the A tiles of a group, 1 KiB each. (Read in place, a tile's
+// 16 rows are 2n bytes apart: at n = 4096 all in one L1 set.)
+void pack_dy(const uint16_t* dy, int64_t m, int64_t n, int64_t steps, uint16_t* dyp) {
+  const int64_t groups = ceil_div(m, 16);
+  parallel_for(groups * steps, 64, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / steps, c0 = (u % steps) * 32;
+      const int64_t len = min64(32, n - c0);
+      const __mmask32 mk = len >= 32 ? ~__mmask32(0) : ((__mmask32(1) << len) - 1);
+      uint16_t* dst = dyp + u * 512;
+      for (int l = 0; l < 16; ++l) {
+        const int64_t row = g * 16 + l;
+        const __m512i v = row < m ? _mm512_maskz_loadu_epi16(mk, dy + row * n + c0) : _mm512_setzero_si512();
+        _mm512_store_si512(dst + l * 32, v);
+      }
+    }
+  });
 }
 
 template <typename OutT, bool TWO>
 void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
-  // dY as A tiles: rows padded to 16, row length to 32 (zeros), 4-byte aligned
-  const int64_t mp = ceil_div(m, 16) * 16, np = ceil_div(n, 32) * 32, steps = np / 32;
-  const uint16_t* dy = static_cast<const uint16_t*>(p.grad_out);
-  int64_t ldy = n * 2;  // bytes
-  if (mp != m || np != n || reinterpret_cast<uintptr_t>(dy) % 4 != 0) {
-    uint16_t* pad = scratch_as<uint16_t>(kSlotInput, mp * np * 2);
-    parallel_for(mp, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        uint16_t* row = pad + r * np;
-        if (r < m) memcpy(row, dy + r * n, size_t(n) * 2);
-        memset(row + (r < m ? n : 0), 0, size_t(r < m ? np - n : np) * 2);
-      }
-    });
-    dy = pad;
-    ldy = np * 2;
-  }
+  const int64_t steps = ceil_div(n, 32), gs = steps * 512;  // k steps of 32 dY columns; words per dY group
+  uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, ceil_div(m, 16) * gs * 2);
+  pack_dy(static_cast<const uint16_t*>(p.grad_out), m, n, steps, dyp);
   // every block scale, decoded once (the strips read them with stride k)
   const int64_t n_blocks = ceil_div(n * k, p.blocksize);
   float* sc_all = scratch_as<float>(kSlotPanels, n_blocks * 4);
@@ -252,40 +287,51 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
   });
   const __m512 codes = code_table(p.quant_type);
-  const int64_t wt_dwords = steps * 1024;  // a strip's W: [steps][4 groups][16 pairs][16 dwords]
-  // dY rows per block: kept in the L2 while the strips pass
-  const int64_t block = max64(32, (kL2Budget - wt_dwords * 4) / ldy / 32 * 32);
+  // dY rows per block: their sums for a strip (acc) and their packed rows stay
+  // in the L2 while the strip's W segments pass
+  const int64_t block = max64(32, kL2Budget / (gs * 2 / 16 + kAmxStrip * 4) / 32 * 32);
   OutT* out = static_cast<OutT*>(p.grad_input);
-  parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) {
+  parallel_for(ceil_div(k, kAmxStrip), 1, [&](int64_t s0, int64_t s1) {
     configure_tiles();
     const __m512i half = upper_half_bit();
     const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
-    uint32_t* wt = scratch_as<uint32_t>(kSlotRow, wt_dwords * 4);
-    float* acc = scratch_as<float>(kSlotAcc, 32 * kStrip * 4);
-    const int64_t pairs = (n + 1) / 2;
-    memset(wt + (pairs / 16) * 1024, 0, size_t(wt_dwords - (pairs / 16) * 1024) * 4);  // pairs past n: zero
+    // a segment of the strip's W: [kSegN / 32 steps][kAmxStrip / 16 column groups][16 pairs][16 dwords]
+    uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kSegN * kAmxStrip * 2);
+    float* acc = scratch_as<float>(kSlotAcc, block * kAmxStrip * 4);
     for (int64_t r0 = 0; r0 < m; r0 += block) {
       const int64_t re = min64(m, r0 + block);
       for (int64_t st = s0; st < s1; ++st) {
-        const int64_t c0 = st * kStrip;
-        for (int64_t t = 0; t < pairs; ++t) {
-          __m512i z[4];
-          decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t(2 * t * k + c0), k, 2 * t + 1 < n, half, i_lo, i_hi,
-                           z);
-          uint32_t* dst = wt + (t / 16) * 1024 + (t % 16) * 16;
-          for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + q * 256, z[q]);
-        }
-        for (int64_t r = r0; r < re; r += 32) {
-          const uint16_t* a = dy + r * (ldy / 2);
-          const bool g2 = re - r > 16;
-          for (int g = 0; g < 4; g += 2) {
-            if (g2)
-              grad_product<true>(a, ldy, wt + g * 256, steps, acc + g * 16);
-            else
-              grad_product<false>(a, ldy, wt + g * 256, steps, acc + g * 16);
+        // the strip's 64-column parts (fewer in the last strip when k % kAmxStrip != 0)
+        const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
+        for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
+          const int64_t rows = min64(kSegN, n - n0), pairs = (rows + 1) / 2, seg_steps = ceil_div(rows, 32);
+          constexpr int64_t wstep = kAmxStrip / 16 * 256;
+          if (pairs % 16 != 0)  // pairs past n: zero
+            memset(wt + (pairs / 16) * wstep, 0, size_t((seg_steps - pairs / 16) * wstep) * 4);
+          for (int64_t t = 0; t < pairs; ++t) {
+            uint32_t* dst = wt + (t / 16) * wstep + (t % 16) * 16;
+            for (int64_t h = 0; h < halves; ++h) {
+              __m512i z[4];
+              decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
+                               n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
+              for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + (4 * h + q) * 256, z[q]);
+            }
           }
-          store_strip<OutT>(acc, min64(32, re - r), k, c0, out + r * k);
+          for (int64_t r = r0; r < re; r += 32) {
+            const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
+            float* ac = acc + (r - r0) * kAmxStrip;
+            for (int g = 0; g < 4 * halves; g += 2) {
+              if (re - r > 16)
+                grad_product<true>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
+              else
+                grad_product<false>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
+            }
+          }
         }
+        for (int64_t r = r0; r < re; r += 32)
+          for (int64_t h = 0; h < halves; ++h)
+            store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip,
+                              out + r * k, kAmxStrip);
       }
     }
     _tile_release();

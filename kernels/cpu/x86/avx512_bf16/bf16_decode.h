@@ -256,14 +256,14 @@ void store_tiles(const float* acc, int64_t lda, int64_t rows, int64_t m, int64_t
   }
 }
 
-// The input gradient's strip sums acc[r * kStrip + j] (columns in decode_pair's
+// The input gradient's strip sums acc[r * lda + j] (columns in decode_pair's
 // order: 0, 2, .., 30 | 32, .., 62 | 1, .., 31 | 33, .., 63) -> out[r * k +
 // c0 + column] for r < m.
 template <typename OutT>
-void store_strip(const float* acc, int64_t m, int64_t k, int64_t c0, OutT* out) {
+void store_strip(const float* acc, int64_t m, int64_t k, int64_t c0, OutT* out, int64_t lda = kStrip) {
   const __m512i l_lo = lane_pair_index(0), l_hi = lane_pair_index(8);
   for (int64_t r = 0; r < m; ++r) {
-    const float* a = acc + r * kStrip;
+    const float* a = acc + r * lda;
     const __m512 e0 = _mm512_load_ps(a), e1 = _mm512_load_ps(a + 16);
     const __m512 o0 = _mm512_load_ps(a + 32), o1 = _mm512_load_ps(a + 48);
     OutT* dst = out + r * k + c0;
