@@ -524,6 +524,13 @@ def run_forward(su: Setup, rng) -> tuple[list[dict], dict, dict]:
     return rows, errors, q4_kernels
 
 
+def _bf16_engine() -> str:
+    """What oneDNN's bf16 GEMM runs on here (AMX where the CPU has it)."""
+    import q4
+
+    return "AMX" if q4.cpu_features()["features"].get("amx") else "AVX512-BF16"
+
+
 def _cycle(calls):
     it = itertools.cycle(calls)
     return lambda: next(it)()
@@ -790,7 +797,7 @@ def main() -> dict:
     roof = head["roofline"]
     su.notes.append(
         f"torch dense: F.linear (fp32: MKL sgemm, {roof['fp32_gflops']:.0f} GFLOP/s at 2048^3 here; bf16: oneDNN "
-        f"AVX512-BF16, {roof['bf16_gflops']:.0f} GFLOP/s)"
+        f"{_bf16_engine()}, {roof['bf16_gflops']:.0f} GFLOP/s)"
         + (
             f"; XLA's own GEMM reaches {roof['xla_fp32_gflops']:.0f} / {roof['xla_bf16_gflops']:.0f} GFLOP/s."
             if roof.get("xla_fp32_gflops")
