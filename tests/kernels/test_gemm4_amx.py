@@ -7,9 +7,11 @@ their fp32 additions differs).
 Fewer than AMX_MIN_M x / dY rows are served by the avx512_bf16 kernels on
 this level; from AMX_MIN_M on by the tile kernels, whose blocking these shapes
 reach: W tiles of 32 rows (partial last tile), x panels of 16 rows (partial
-last panel, one or two per tile pass), x blocks of L2 size (k = 4096: 8
-panels a block), dY rows padded to 16 and their length to 32, dY blocks of L2
-size (n = 4096: 128 rows a block).
+last panel, one or two per tile pass), x blocks of L2 size (k = 4096: 12
+panels a block), W decoded in 256-column segments, dY packed into tiles
+(rows padded to 16, their length to 32), gradient strips of 256 columns
+(k % 256 != 0: a narrower last strip), W decoded in 256-row segments, dY
+blocks of 1536 rows (their sums kept in L2).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def test_forward_and_grad_match_oracle(rng, quant_type, nested, blocksize, out_d
 @pytest.mark.parametrize(
     "m, n, k, blocksize",
     [
-        (300, 40, 4096, 64),  # forward: three x blocks (8 + 8 + 3 panels), the last panel partial
-        (200, 4096, 128, 64),  # gradient: two dY blocks (128 + 72 rows)
+        (300, 40, 4096, 64),  # forward: two x blocks (12 + 7 panels), the last panel partial
+        (200, 4096, 128, 64),  # gradient: 16 W row segments, one strip of 128 columns
+        (1600, 70, 320, 64),  # gradient: two dY blocks (1536 + 64 rows), a strip of 256 columns and one of 64
         (48, 96, 4160, 32),  # k not a multiple of 128; two scales per 64-element chunk
         (40, 33, 1408, 256),  # blocks straddle W rows; one W row past a tile
         (9, 1, 64, 4096),  # one output column; the gradient's single, padded pair of W rows

@@ -30,11 +30,13 @@
 // Input gradient, dX[m, c] = sum_n dY[m, n] W[n, c]: dY is packed once into
 // A tiles ([16-row group][32-column step][16 rows][32 words], zero past m and
 // n: in place its rows would be 2n bytes apart, all in one L1 set at n = 4096).
-// Threads own strips of kAmxStrip dX columns; per dY block (rows whose packed
-// dY and strip sums fit kL2Budget) and strip, W is decoded kSegN rows at a
-// time as interleaved row pairs (bf16_decode.h decode_pair: B tiles of 16
-// pairs x 16 columns, 1 KiB each) into an L1 buffer, and C = 2 dY row groups x
-// 2 column groups is carried in memory between segments. A strip reads 32
+// Threads own strips of kAmxStrip dX columns; per dY block (rows whose strip
+// sums fit kL2Budget: one block up to 1536 rows, so W is decoded once) and
+// strip, W is decoded kSegN rows at a time as interleaved row pairs
+// (bf16_decode.h decode_pair: B tiles of 16 pairs x 16 columns, 1 KiB each)
+// into an L2 buffer, and C = 2 dY row groups x 2 column groups is carried in
+// memory between segments (64-row segments in L1 measured slower: a C round
+// trip every 2 k steps). A strip reads 32
 // bytes of every W row per 64 columns, rows k/2 bytes apart: latency-bound
 // (53 cycles per row pair from L3 against 17 from L2 in a microbenchmark), so
 // strips are 256 columns wide (two whole lines of each row).
@@ -82,8 +84,8 @@ constexpr int64_t kWRows = 32;  // W rows per decoded W tile (two A tiles)
 constexpr int64_t kSegK = 256;  // W columns decoded per segment (32 rows: 16 KiB of bf16, stays in L1)
 constexpr int64_t kXBlockBytes = int64_t(3) << 19;  // x panels kept in L2 while the W tiles pass (1.5 MiB)
 constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole 64-byte lines of each W row)
-constexpr int64_t kSegN = 64;       // gradient: W rows decoded per segment (a strip's columns: 32 KiB, in L1)
-constexpr int64_t kL2Budget = int64_t(3) << 19;  // gradient: bytes of L2 for a dY block and its sums
+constexpr int64_t kSegN = 256;      // gradient: W rows decoded per segment (a strip's columns: 128 KiB, in L2)
+constexpr int64_t kL2Budget = int64_t(3) << 19;  // gradient: bytes of L2 for a dY block's strip sums
 
 // Decodes W rows [r0, r0 + rows) x columns [c0, c0 + len) into the segment
 // buffer ws (row r at ws + r * kSegK / 2 dwords; each 64-element chunk as its
@@ -287,9 +289,10 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
   });
   const __m512 codes = code_table(p.quant_type);
-  // dY rows per block: their sums for a strip (acc) and their packed rows stay
-  // in the L2 while the strip's W segments pass
-  const int64_t block = max64(32, kL2Budget / (gs * 2 / 16 + kAmxStrip * 4) / 32 * 32);
+  // dY rows per block: their sums for a strip (acc) stay in the L2 while the
+  // strip's W segments pass; the packed dY rows stream from wherever they are
+  // (a strip reads them once per W segment: ~4 bytes per cycle at 512 rows)
+  const int64_t block = max64(32, kL2Budget / (kAmxStrip * 4) / 32 * 32);
   OutT* out = static_cast<OutT*>(p.grad_input);
   parallel_for(ceil_div(k, kAmxStrip), 1, [&](int64_t s0, int64_t s1) {
     configure_tiles();
