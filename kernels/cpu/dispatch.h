@@ -39,7 +39,7 @@ struct Entry {
   int64_t min_m;  // int8_gemm: the caller takes this entry from this many x rows on
 };
 
-constexpr int kMaxChain = 6;
+constexpr int kMaxChain = 8;
 template <typename Fn>
 struct Chain {
   Entry<Fn> entries[kMaxChain];
@@ -170,6 +170,8 @@ namespace amx {
 // bf16 inputs on the tile unit (TDPBF16PS), x86/amx/gemm4.cc; returns false
 // for other input dtypes and for few x rows (the avx512_bf16 gemv runs)
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
+// batch-1 bf16 inputs through the fp32 gemv (avx512::gemm4): faster on AMX cores
+bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // LLM.int8 integer sums with TDPBSSD, x86/amx/int8.cc
 bool int8_gemm(const Int8Gemm& g);

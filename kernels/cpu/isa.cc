@@ -103,6 +103,7 @@ cpu::KernelTable build_table(Isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   if (isa >= kIsaAmx) {
     t.gemm4.add("amx.gemm4", cpu::amx::gemm4);
+    t.gemm4.add("amx.gemv_f32", cpu::amx::gemv_f32);
     t.grad4.add("amx.grad4", cpu::amx::grad4);
     t.int8_gemm.add("amx.int8_gemm", cpu::amx::int8_gemm, cpu::amx::kInt8GemmMinM);
   }

@@ -4,8 +4,10 @@ oracle of the bf16-compute contract (test_gemm4_bf16.py: the contract, the
 oracle and its error bound, which the tile kernels share; only the order of
 their fp32 additions differs).
 
-Fewer than AMX_MIN_M x / dY rows are served by the avx512_bf16 kernels on
-this level; from AMX_MIN_M on by the tile kernels, whose blocking these shapes
+One x row (the forward) is served by the avx512 level's fp32 gemv on this
+level (faster than the bf16 gemv on these cores; the fp32 contract), fewer
+than AMX_MIN_M x / dY rows otherwise by the avx512_bf16 kernels; from
+AMX_MIN_M on by the tile kernels, whose blocking these shapes
 reach: W tiles of 32 rows (partial last tile), x panels of 16 rows (partial
 last panel, one or two per tile pass), x blocks of L2 size (k = 4096: 12
 panels a block), W decoded in 256-column segments, dY packed into tiles
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import on_isa
 from kernels.test_gemm4_bf16 import (
     BF16,
     FORMATS,
@@ -28,6 +31,7 @@ from kernels.test_gemm4_bf16 import (
     grad,
     last_kernels,
 )
+from reference.matmul import check_accumulation_bound
 from reference.matmul import quantized_weight as make_weight
 
 import q4
@@ -43,6 +47,25 @@ def fwd_kernel(m: int) -> str:
     return FWD if m >= AMX_MIN_M else "avx512_bf16.gemm4"
 
 
+@pytest.mark.parametrize("quant_type, nested, blocksize", [("nf4", True, 64), ("fp4", False, 32), ("nf4", False, 256)])
+def test_batch1_takes_the_fp32_gemv(rng, quant_type, nested, blocksize):
+    """A bf16 x row runs the fp32 gemv (amx.gemv_f32): the avx512 level's bytes,
+    within the fp32 contract's bound (W exact, not rounded to bf16)."""
+    n, k = 77, 384
+    packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
+    x = bf16_input(rng, (1, k))
+    bias = bf16_input(rng, (n,))
+    for out_dtype in ("float32", "bfloat16"):
+        y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype)
+        assert last_kernels()["gemm_4bit"] == "amx.gemv_f32"
+        check_accumulation_bound(
+            y, x.astype(np.float64), w32.astype(np.float64).T, k, out_dtype, bias, what=f"gemv_f32 {out_dtype}"
+        )
+        with on_isa("avx512"):
+            assert np.array_equal(q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype), y)
+            assert last_kernels()["gemm_4bit"] == "avx512.gemm4"
+
+
 def grad_kernel(m: int) -> str:
     return GRAD if m >= AMX_MIN_M else "avx512_bf16.grad4"
 
@@ -52,7 +75,7 @@ def grad_kernel(m: int) -> str:
 def test_forward_and_grad_match_oracle(rng, quant_type, nested, blocksize, out_dtype):
     n, k = 77, 320  # a partial W tile; n odd and not a multiple of 32 (the gradient pads)
     packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
-    for i, m in enumerate((2, 3, 8, 16, 17, 33, 64)):
+    for i, m in enumerate((2, 3, 8, 16, 17, 33, 64)):  # (m = 1: test_batch1_takes_the_fp32_gemv)
         x = bf16_input(rng, (m, k))
         bias = [None, bf16_input(rng, (n,)), (rng.standard_normal(n) * 3).astype(np.float32)][i % 3]
         forward(x, packed, state, w32, out_dtype, bias, what=f"forward m={m}", kernel=fwd_kernel(m))
@@ -165,5 +188,5 @@ def test_misaligned_inputs(rng):
 def test_level_reports_its_chain():
     f = q4.cpu_features()
     assert f["isa"] == "amx" and f["features"]["amx"]
-    assert f["kernels"]["gemm_4bit"][:2] == [FWD, "avx512_bf16.gemm4"]
+    assert f["kernels"]["gemm_4bit"][:3] == [FWD, "amx.gemv_f32", "avx512_bf16.gemm4"]
     assert f["kernels"]["gemm_4bit_grad_input"][:2] == [GRAD, "avx512_bf16.grad4"]
