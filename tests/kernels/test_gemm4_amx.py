@@ -27,6 +27,7 @@ from kernels.test_gemm4_bf16 import (
     TINY,
     bf16_exact,
     bf16_input,
+    check_thread_counts_agree,
     forward,
     grad,
     last_kernels,
@@ -150,23 +151,7 @@ def test_nan_inf_and_denormal_inputs(rng):
 
 @pytest.mark.parametrize("m", [8, 17, 40, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    n, k = 203, 1216
-    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
-    x, g, bias = bf16_input(rng, (m, k)), bf16_input(rng, (m, n)), bf16_input(rng, (n,))
-    outs = []
-    for threads in (1, 2, 3):
-        q4.set_num_threads(threads)
-        outs.append(
-            (
-                q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32"),
-                q4.gemm_4bit(x, packed, state),
-                q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"),
-            )
-        )
-        assert last_kernels()["gemm_4bit_grad_input"] == GRAD
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other, strict=True):
-            assert a.tobytes() == b.tobytes()
+    check_thread_counts_agree(rng, m, 203, 1216, (FWD, GRAD))
 
 
 def test_misaligned_inputs(rng):

@@ -227,10 +227,10 @@ def test_denormal_inputs_count_as_zero(rng):
     )
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 29, 130])
-def test_bit_identical_across_thread_counts(rng, m):
-    # 1-2 rows: 128-element chunks; 8: two k segments on a 48 KiB L1D
-    n, k = 203, {1: 1280, 2: 1280, 8: 4288}.get(m, 1216)
+def check_thread_counts_agree(rng, m, n, k, kernels=None):
+    """The forward (fp32 and bf16 out, with a bias) and the input gradient on
+    1, 2 and 3 threads: the same bytes each time; `kernels` (forward,
+    gradient), when given, are the kernels that must have run."""
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
     x = bf16_input(rng, (m, k))
     g = bf16_input(rng, (m, n))
@@ -245,9 +245,17 @@ def test_bit_identical_across_thread_counts(rng, m):
                 q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"),
             )
         )
+        if kernels is not None:
+            assert (last_kernels()["gemm_4bit"], last_kernels()["gemm_4bit_grad_input"]) == kernels
     for other in outs[1:]:
         for a, b in zip(outs[0], other, strict=True):
             assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 29, 130])
+def test_bit_identical_across_thread_counts(rng, m):
+    # 1-2 rows: 128-element chunks; 8: two k segments on a 48 KiB L1D
+    check_thread_counts_agree(rng, m, 203, {1: 1280, 2: 1280, 8: 4288}.get(m, 1216), (KERNEL_FWD, KERNEL_GRAD))
 
 
 # 5-8 x rows ("wide") split k into segments of x only on a processor with a

@@ -348,29 +348,15 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   });
 }
 
-template <typename F>
-void with_out_type(DType dt, F&& f) {
-  if (dt == kF32) return f(static_cast<float*>(nullptr));
-  if (dt == kBF16) return f(static_cast<bf16_t*>(nullptr));
-  f(static_cast<f16_t*>(nullptr));
-}
-
 }  // namespace
 
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
-  if (p.x_dtype != kBF16 || p.k % kChunk != 0 || p.m < kMinM) return false;
-  if (reinterpret_cast<uintptr_t>(p.x) % 2 != 0) return false;
-  const ScaleDecoder scales(p.scales);
-  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
-  with_out_type(p.out_dtype, [&](auto* o) {
+  return bf16_forward(p, kMinM, [&](auto* o, auto* b, const ScaleDecoder& scales) {
     using OutT = std::remove_pointer_t<decltype(o)>;
-    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) {
-      using BiasT = std::remove_pointer_t<decltype(b)>;
-      if (p.blocksize == 32) return forward<OutT, BiasT, true>(p, scales);
-      forward<OutT, BiasT, false>(p, scales);
-    });
+    using BiasT = std::remove_pointer_t<decltype(b)>;
+    if (p.blocksize == 32) return forward<OutT, BiasT, true>(p, scales);
+    forward<OutT, BiasT, false>(p, scales);
   });
-  return true;
 }
 
 bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales) {
@@ -379,16 +365,11 @@ bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales) {
 }
 
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
-  if (p.grad_out_dtype != kBF16 || p.k % kChunk != 0 || p.m < kMinM) return false;
-  if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
-  const ScaleDecoder scales(p.scales);
-  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
-  with_out_type(p.grad_input_dtype, [&](auto* o) {
+  return bf16_grad(p, kMinM, [&](auto* o, const ScaleDecoder& scales) {
     using OutT = std::remove_pointer_t<decltype(o)>;
     if (p.blocksize == 32) return grad<OutT, true>(p, scales);
     grad<OutT, false>(p, scales);
   });
-  return true;
 }
 
 }  // namespace amx

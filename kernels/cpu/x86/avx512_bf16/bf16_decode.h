@@ -14,6 +14,7 @@
 
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
+#include "../avx512/scale_decoder.h"
 #include "../avx512/store16.h"
 #include "../avx512/transpose16.h"
 #include "q4/common.h"
@@ -272,6 +273,39 @@ void store_strip(const float* acc, int64_t m, int64_t k, int64_t c0, OutT* out, 
     store16<OutT>(dst + 32, _mm512_permutex2var_ps(e1, l_lo, o1), 16);
     store16<OutT>(dst + 48, _mm512_permutex2var_ps(e1, l_hi, o1), 16);
   }
+}
+
+template <typename F>
+void with_out_type(DType dt, F&& f) {
+  if (dt == kF32) return f(static_cast<float*>(nullptr));
+  if (dt == kBF16) return f(static_cast<bf16_t*>(nullptr));
+  f(static_cast<f16_t*>(nullptr));
+}
+
+// The entry of a bf16-compute forward kernel: serves bf16 x (at an even
+// address), k % 64 == 0 and m >= min_m, calling run(OutT*, BiasT*, scales)
+// with null pointers of the output and bias element types; false otherwise.
+template <typename F>
+bool bf16_forward(const Gemm4bitParams& p, int64_t min_m, F&& run) {
+  if (p.x_dtype != kBF16 || p.k % kChunk != 0 || p.m < min_m) return false;
+  if (reinterpret_cast<uintptr_t>(p.x) % 2 != 0) return false;
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
+  with_out_type(p.out_dtype, [&](auto* o) {
+    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) { run(o, b, scales); });
+  });
+  return true;
+}
+
+// The same for the input gradient: run(OutT*, scales) for bf16 dY.
+template <typename F>
+bool bf16_grad(const Gemm4bitGradInputParams& p, int64_t min_m, F&& run) {
+  if (p.grad_out_dtype != kBF16 || p.k % kChunk != 0 || p.m < min_m) return false;
+  if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  with_out_type(p.grad_input_dtype, [&](auto* o) { run(o, scales); });
+  return true;
 }
 
 }  // namespace
