@@ -290,11 +290,7 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, ceil_div(m, 16) * gs * 2);
   pack_dy(static_cast<const uint16_t*>(p.grad_out), m, n, steps, dyp);
   // every block scale, decoded once (the strips read them with stride k)
-  const int64_t n_blocks = ceil_div(n * k, p.blocksize);
-  float* sc_all = scratch_as<float>(kSlotPanels, n_blocks * 4);
-  parallel_for(ceil_div(n_blocks, 4096), 1, [&](int64_t u0, int64_t u1) {
-    scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
-  });
+  const float* sc_all = decode_all_scales(scales, ceil_div(n * k, p.blocksize), gemm4::kSlotPanels);
   const __m512 codes = code_table(p.quant_type);
   // dY rows per block: their sums for a strip (acc) stay in the L2 while the
   // strip's W segments pass; the packed dY rows stream from wherever they are

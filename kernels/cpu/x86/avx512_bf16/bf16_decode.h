@@ -275,6 +275,15 @@ void store_strip(const float* acc, int64_t m, int64_t k, int64_t c0, OutT* out, 
   }
 }
 
+// All n_blocks block scales of a weight, decoded once into the calling
+// thread's scratch slot `slot` (the input gradients read them with stride k).
+inline const float* decode_all_scales(const ScaleDecoder& scales, int64_t n_blocks, int slot) {
+  float* sc = scratch_as<float>(slot, n_blocks * 4);
+  parallel_for(ceil_div(n_blocks, 4096), 1,
+               [&](int64_t u0, int64_t u1) { scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc + u0 * 4096); });
+  return sc;
+}
+
 template <typename F>
 void with_out_type(DType dt, F&& f) {
   if (dt == kF32) return f(static_cast<float*>(nullptr));

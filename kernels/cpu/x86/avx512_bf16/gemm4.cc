@@ -816,11 +816,7 @@ void grad_path(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     dy = reinterpret_cast<const uint32_t*>(copy);
   }
   // every block scale, decoded once (the strips read them with stride k)
-  const int64_t n_blocks = ceil_div(n * k, p.blocksize);
-  float* sc_all = scratch_as<float>(kSlotPanels, n_blocks * 4);
-  parallel_for(ceil_div(n_blocks, 4096), 1, [&](int64_t u0, int64_t u1) {
-    scales.decode(u0 * 4096, min64(n_blocks, u1 * 4096), sc_all + u0 * 4096);
-  });
+  const float* sc_all = decode_all_scales(scales, ceil_div(n * k, p.blocksize), gemm4::kSlotPanels);
   const __m512 codes = code_table(p.quant_type);
   parallel_for(k / kStrip, 1, [&](int64_t s0, int64_t s1) {
     const __m512i half = upper_half_bit();
