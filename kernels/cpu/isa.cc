@@ -104,6 +104,7 @@ cpu::KernelTable build_table(Isa isa) {
   if (isa >= kIsaAmx) {
     t.gemm4.add("amx.gemm4", cpu::amx::gemm4);
     t.gemm4.add("amx.gemv_f32", cpu::amx::gemv_f32);
+    t.gemm4.add("amx.gemm4_split", cpu::amx::gemm4_split);
     t.grad4.add("amx.grad4", cpu::amx::grad4);
     t.int8_gemm.add("amx.int8_gemm", cpu::amx::int8_gemm, cpu::amx::kInt8GemmMinM);
   }

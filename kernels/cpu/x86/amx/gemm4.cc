@@ -52,6 +52,7 @@
 // two rows the bf16 gemv is (0.53 against 0.60).
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -344,6 +345,247 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   });
 }
 
+// ------------------------------------------------------------ fp32 forward in bf16 parts
+
+// fp32 and fp16 inputs (the fp32 contract) from kSplitMinM rows: each x and
+// W element v is split exactly into three bf16 parts, v = hi + mid + lo
+// (hi = v with its low 16 bits cleared, mid the same of v - hi, lo = v - hi
+// - mid: each remainder is exact and has at most 16, then 8 significant
+// bits), and x . W is the sum of the six part products hi.hi, hi.mid,
+// hi.lo, mid.hi, mid.mid, lo.hi on TDPBF16PS (bf16 products are exact in
+// fp32; the three dropped ones, mid.lo, lo.mid and lo.lo, are below 2^-24 of
+// the product, an fp32 rounding). The tile unit reads denormal inputs as zero
+// and flushes denormal results, so the call runs here only when that cannot
+// matter: every x finite with each nonzero |x| in [2^-60, 2^60] and every
+// nonzero block scale in [2^-32, 2^32] (then each product is at least 2^-100
+// and a part product that flushes is below 2^-26 of it; no sum can overflow).
+// Otherwise -- a NaN, an infinity, a denormal or an extreme value anywhere --
+// the call returns false and the avx512 level's fp32 kernel computes it
+// (over whatever this one wrote). The blocking is the bf16 forward's with
+// three segment and panel sets; per k step, the three A parts and the B
+// parts each meets: 3 A and 5 B tile loads (B1 and B0 reused across A parts)
+// for six products per C tile.
+constexpr int64_t kSplitMinM = 8;    // x rows from which the split path runs (measured crossover)
+constexpr int64_t kSplitSegK = 128;  // W columns per segment: three parts of 32 rows, 24 KiB, in L1
+
+constexpr uint32_t kSplitMinX = 0x21800000u;      // 2^-60
+constexpr uint32_t kSplitMaxX = 0x5d800000u;      // 2^60
+constexpr uint32_t kSplitMinScale = 0x2f800000u;  // 2^-32
+constexpr uint32_t kSplitMaxScale = 0x4f800000u;  // 2^32
+
+// Lanes of v (fp32 bits) outside {0} u [lo, hi] in magnitude (NaN and
+// infinities are above hi).
+inline __mmask16 out_of_range(__m512i v, uint32_t lo, uint32_t hi) {
+  const __m512i a = _mm512_and_si512(v, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nonzero = _mm512_test_epi32_mask(a, a);
+  return _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(int(hi))) |
+         _mm512_mask_cmplt_epu32_mask(nonzero, a, _mm512_set1_epi32(int(lo)));
+}
+
+inline bool scales_in_range(const float* sc, int64_t count) {
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) bad |= out_of_range(_mm512_loadu_si512(sc + i), kSplitMinScale, kSplitMaxScale);
+  if (i < count)
+    bad |= out_of_range(_mm512_maskz_loadu_epi32(__mmask16((1u << (count - i)) - 1), sc + i), kSplitMinScale,
+                        kSplitMaxScale);
+  return bad == 0;
+}
+
+// Part `part` (0 hi, 1 mid, 2 lo) of the 16 fp32 values v.
+inline __m512 split_part(__m512 v, int part) {
+  const __m512i mask = _mm512_set1_epi32(int(0xffff0000u));
+  const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), mask));
+  if (part == 0) return hi;
+  const __m512 r = _mm512_sub_ps(v, hi);
+  const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), mask));
+  return part == 1 ? mid : _mm512_sub_ps(r, mid);
+}
+
+// Words 0-15 = bf16 of a, 16-31 = bf16 of b (exact: the parts are bf16 values).
+inline __m512i to_bf16(__m512 a, __m512 b) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)); }
+
+// x [m, k] fp32 -> the panels of its three parts (part j at xp + j * stride
+// dwords, each laid out as pack_panels lays out a bf16 x). False when some x
+// is out of the split path's range.
+bool pack_panels_split(const float* x, int64_t m, int64_t k, uint32_t* xp, int64_t stride) {
+  const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
+  std::atomic<bool> bad{false};
+  parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
+    const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
+    __mmask16 out = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
+      for (int part = 0; part < 3; ++part) {
+        __m512i e[16], o[16];
+        for (int l = 0; l < kPanel; ++l) {
+          const int64_t row = panel * kPanel + l;
+          if (row < m) {
+            const float* src = x + row * k + c;
+            __m512 v[4];
+            for (int i = 0; i < 4; ++i) {
+              v[i] = _mm512_loadu_ps(src + 16 * i);
+              if (part == 0) out |= out_of_range(_mm512_castps_si512(v[i]), kSplitMinX, kSplitMaxX);
+              v[i] = split_part(v[i], part);
+            }
+            deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, &e[l], &o[l]);
+          } else {
+            e[l] = o[l] = _mm512_setzero_si512();
+          }
+        }
+        transpose16(e);
+        transpose16(o);
+        uint32_t* dst = xp + part * stride + (panel * (k / 2) + c / 2) * kPanel;
+        for (int t = 0; t < 16; ++t) {
+          _mm512_store_si512(dst + t * 16, e[t]);
+          _mm512_store_si512(dst + (16 + t) * 16, o[t]);
+        }
+      }
+    }
+    if (out != 0) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load();
+}
+
+// The three bf16 parts of W rows [r0, r0 + rows) x columns [c0, c0 + len)
+// into ws (part j at ws + j * kWRows * kSplitSegK / 2 dwords, each laid out
+// as decode_segment lays out its segment, with rows kSplitSegK / 2 dwords
+// apart), asking for each row's bytes of the next segment.
+template <bool TWO>
+void decode_segment_split(const uint8_t* packed, int64_t k, int shift, __m512 codes, const float* sc, int64_t b0,
+                          int64_t r0, int64_t rows, int64_t c0, int64_t len, uint32_t* ws) {
+  constexpr int64_t part_stride = kWRows * kSplitSegK / 2;
+  const __m512i half = upper_half_bit();
+  for (int64_t r = 0; r < rows; ++r) {
+    uint64_t g = uint64_t((r0 + r) * k + c0);
+    if (c0 + len < k)
+      for (int64_t l = 0; l < min64(kSplitSegK, k - c0 - len); l += 128)
+        _mm_prefetch(reinterpret_cast<const char*>(packed + ((g + len + l) >> 1)), _MM_HINT_T0);
+    uint32_t* d = ws + r * (kSplitSegK / 2);
+    for (int64_t c = 0; c < len; c += kChunk, g += kChunk, d += 32) {
+      const int64_t b = int64_t(g >> shift) - b0;
+      const __m512 a = _mm512_mul_ps(codes, _mm512_set1_ps(sc[b]));
+      const __m512 a2 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[b + 1])) : a;
+      const __m512i v = widen_chunk(packed + (g >> 1));
+      for (int part = 0; part < 3; ++part) {
+        const __m512i tab = to_bf16(split_part(a, part), split_part(a2, part));
+        const Chunk w = lookup_chunk<TWO>(v, tab, half);
+        _mm512_store_si512(d + part * part_stride, w.hi);
+        _mm512_store_si512(d + part * part_stride + 16, w.lo);
+      }
+    }
+  }
+}
+
+// C tiles 0 / 1 (W row groups 0 / 1, one panel) += hi.hi, and tiles 2 / 3
+// += the five smaller part products, of the segment ws (part stride wst
+// dwords) and the panel at xp (part stride xst dwords): two accumulators,
+// so that the small products round against their own sum, not against the
+// whole (one accumulator measured 1.8x the error of the fp32 kernels at k =
+// 4096; these are within it). acc: hi.hi at acc, the rest at acc + 512.
+void segment_product_split(const uint32_t* ws, int64_t wst, const uint32_t* xp, int64_t xst, int64_t steps, float* acc,
+                           bool fresh, bool load, bool store) {
+  if (fresh) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else if (load) {
+    _tile_loadd(0, acc, 64);
+    _tile_loadd(1, acc + 256, 64);
+    _tile_loadd(2, acc + 512, 64);
+    _tile_loadd(3, acc + 768, 64);
+  }
+  constexpr int64_t ldw = kSplitSegK * 2;  // bytes per W row of the segment
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint32_t* w = ws + s * 16;
+    const uint32_t* x = xp + s * 256;
+    _tile_loadd(4, w, ldw);  // W hi
+    _tile_loadd(5, w + 16 * (kSplitSegK / 2), ldw);
+    _tile_loadd(6, x, 64);  // x hi
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_loadd(7, x + xst, 64);  // x mid
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(7, x + 2 * xst, 64);  // x lo
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, w + wst, ldw);  // W mid
+    _tile_loadd(5, w + wst + 16 * (kSplitSegK / 2), ldw);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 5, 6);
+    _tile_loadd(7, x + xst, 64);  // x mid
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, w + 2 * wst, ldw);  // W lo
+    _tile_loadd(5, w + 2 * wst + 16 * (kSplitSegK / 2), ldw);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 5, 6);
+  }
+  if (store) {
+    _tile_stored(0, acc, 64);
+    _tile_stored(1, acc + 256, 64);
+    _tile_stored(2, acc + 512, 64);
+    _tile_stored(3, acc + 768, 64);
+  }
+}
+
+template <typename OutT, typename BiasT, bool TWO>
+bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  const int64_t panels = ceil_div(m, kPanel), ps = (k / 2) * kPanel, xst = panels * ps;
+  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, 3 * xst * 4);
+  if (!pack_panels_split(xf, m, k, xp, xst)) return false;
+  const __m512 codes = code_table(p.quant_type);
+  const int64_t block = max64(2, kXBlockBytes / (3 * ps * 4)) & ~int64_t(1);  // panels per x block
+  constexpr int64_t wst = kWRows * kSplitSegK / 2;
+  OutT* out = static_cast<OutT*>(p.out);
+  std::atomic<bool> bad{false};
+  parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    const int64_t sc_count = ((kWRows * k) >> shift) + 4;
+    uint32_t* ws = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4 + sc_count * 4);
+    float* sc = reinterpret_cast<float*>(ws + 3 * wst);
+    float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 32 * 4);
+    for (int64_t q0 = 0; q0 < panels && !bad.load(std::memory_order_relaxed); q0 += block) {
+      const int64_t qe = min64(panels, q0 + block);
+      const bool one = qe - q0 == 1;  // one panel: C stays in the tile registers over all of k
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
+        const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+        scales.decode(b0, b1, sc);
+        if (!scales_in_range(sc, b1 - b0)) {
+          bad.store(true, std::memory_order_relaxed);
+          break;
+        }
+        if (rows < kWRows)
+          for (int j = 0; j < 3; ++j)
+            memset(ws + j * wst + rows * (kSplitSegK / 2), 0, size_t((kWRows - rows) * kSplitSegK * 2));
+        for (int64_t c0 = 0; c0 < k; c0 += kSplitSegK) {
+          const int64_t len = min64(kSplitSegK, k - c0);
+          const bool last = c0 + len >= k;
+          decode_segment_split<TWO>(p.packed, k, shift, codes, sc, b0, r0, rows, c0, len, ws);
+          for (int64_t q = q0; q < qe; ++q)
+            segment_product_split(ws, wst, xp + q * ps + (c0 / 2) * kPanel, xst, len / 32, acc + (q - q0) * kWRows * 32,
+                                  c0 == 0, !one, !one || last);
+        }
+        for (int64_t q = q0; q < qe; ++q) {  // the two accumulators' sum, then bias and store
+          float* a = acc + (q - q0) * kWRows * 32;
+          for (int64_t i = 0; i < kWRows * 16; i += 16)
+            _mm512_store_ps(a + i, _mm512_add_ps(_mm512_load_ps(a + i), _mm512_load_ps(a + kWRows * 16 + i)));
+        }
+        for (int64_t q = q0; q < qe; q += 2)
+          store_tiles<OutT, BiasT>(acc + (q - q0) * kWRows * 32, 2 * kWRows, rows, min64(2 * kPanel, m - q * kPanel), n,
+                                   r0, p.bias, out + q * kPanel * n);
+      }
+    }
+    _tile_release();
+  });
+  return !bad.load();
+}
+
 }  // namespace
 
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
@@ -358,6 +600,23 @@ bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
 bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales) {
   if (p.x_dtype != kBF16 || p.m != 1) return false;
   return avx512::gemm4(p, scales);
+}
+
+bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
+  if ((p.x_dtype != kF32 && p.x_dtype != kF16) || p.k % kChunk != 0 || p.m < kSplitMinM) return false;
+  const float* x = gemm4::as_f32(p.x, p.x_dtype, p.m * p.k);
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
+  bool ok = false;
+  with_out_type(p.out_dtype, [&](auto* o) {
+    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) {
+      using OutT = std::remove_pointer_t<decltype(o)>;
+      using BiasT = std::remove_pointer_t<decltype(b)>;
+      ok = p.blocksize == 32 ? forward_split<OutT, BiasT, true>(p, x, scales)
+                             : forward_split<OutT, BiasT, false>(p, x, scales);
+    });
+  });
+  return ok;
 }
 
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
@@ -381,6 +640,7 @@ namespace cpu {
 namespace amx {
 bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool gemv_f32(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
+bool gemm4_split(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
 }  // namespace amx
 }  // namespace cpu

@@ -97,12 +97,16 @@ inline __m512i deinterleave_index(int parity) {
   return _mm512_load_si512(idx);
 }
 
-// The deinterleaved chunk of 64 bf16 at src: e = elements 0, 2, ..., 62;
-// o = 1, 3, ..., 63.
-inline void deinterleave64(const uint16_t* src, __m512i ie, __m512i io, __m512i* e, __m512i* o) {
-  const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 32);
+// The deinterleaved chunk of 64 bf16 held as words 0-31 in a and 32-63 in
+// b: e = elements 0, 2, ..., 62; o = 1, 3, ..., 63.
+inline void deinterleave64(__m512i a, __m512i b, __m512i ie, __m512i io, __m512i* e, __m512i* o) {
   *e = _mm512_permutex2var_epi16(a, ie, b);
   *o = _mm512_permutex2var_epi16(a, io, b);
+}
+
+// The same for the 64 bf16 at src.
+inline void deinterleave64(const uint16_t* src, __m512i ie, __m512i io, __m512i* e, __m512i* o) {
+  deinterleave64(_mm512_loadu_si512(src), _mm512_loadu_si512(src + 32), ie, io, e, o);
 }
 
 template <typename T>

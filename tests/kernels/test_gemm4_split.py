@@ -1,0 +1,211 @@
+"""The fp32 forward on the AMX tile unit (amx.gemm4_split, kernels/cpu/x86/amx/
+gemm4.cc): fp32 / fp16 x from SPLIT_MIN_M rows, each x and W element split
+exactly into three bf16 parts and the six larger part products summed on
+TDPBF16PS, through q4's numpy API.
+
+It keeps the fp32 contract: checked against the fp64 oracle within the fp32
+accumulation bound, exactly where the answer is exact (the split loses no
+bit of x or of W), and bit for bit against the avx512 level's fp32 kernel
+wherever it declines the call (a NaN, an infinity, a denormal or an extreme
+x, or an extreme block scale: the tile unit would read denormals as zero).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import on_isa
+from kernels.test_gemm4_bf16 import FORMATS, last_kernels
+from reference.matmul import check_accumulation_bound
+from reference.matmul import quantized_weight as make_weight
+
+import q4
+
+ISA = "amx"
+pytestmark = pytest.mark.usefixtures("module_isa")
+
+SPLIT_MIN_M = 8  # kSplitMinM in kernels/cpu/x86/amx/gemm4.cc
+SPLIT, FALLBACK = "amx.gemm4_split", "avx512.gemm4"
+TINY = 2.0**-126  # the tile unit flushes partial products below it
+
+
+def forward(x, packed, state, w32, out_dtype="float32", bias=None, what="", kernel=SPLIT):
+    y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype)
+    assert last_kernels()["gemm_4bit"] == kernel, what
+    check_accumulation_bound(
+        y, x.astype(np.float64), w32.astype(np.float64).T, x.shape[1], out_dtype, bias, tiny=TINY, what=what
+    )
+    return y
+
+
+def avx512_bytes(x, packed, state, **kw):
+    with on_isa("avx512"):
+        y = q4.gemm_4bit(x, packed, state, **kw)
+        assert last_kernels()["gemm_4bit"] == FALLBACK
+    return y
+
+
+@pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
+def test_forward_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
+    n, k = 72, 384
+    packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
+    bias = rng.standard_normal(n).astype(np.float32)
+    for m in (SPLIT_MIN_M, 16, 17, 40):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        forward(x, packed, state, w32, out_dtype, bias, what=f"m={m} {quant_type} bs{blocksize} {out_dtype}")
+
+
+def test_error_no_larger_than_the_fp32_kernels(rng):
+    """Norm-wise error against the fp64 product at most the avx512 fp32
+    kernel's (the worst-case bound above is far looser than either): a dropped
+    part product (mid . mid is 2^-16 of a product) would show here."""
+    n, k, m = 256, 2048, 32
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ w32.astype(np.float64).T
+    y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit"] == SPLIT
+    err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    err_fp32 = np.linalg.norm(avx512_bytes(x, packed, state, out_dtype="float32") - ref) / np.linalg.norm(ref)
+    assert err <= err_fp32, (err, err_fp32)
+
+
+def test_fewer_rows_take_the_fp32_kernel(rng):
+    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", True)
+    x = rng.standard_normal((SPLIT_MIN_M - 1, 128)).astype(np.float32)
+    forward(x, packed, state, w32, kernel=FALLBACK, what="m below the split path")
+
+
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (130, 40, 4096),  # x blocks of 4 panels: three blocks, C carried in memory between segments
+        (33, 203, 192),  # partial last W tile; k % 128 != 0: a 64-column last segment
+        (16, 1, 64),  # one output column, one segment step
+    ],
+)
+def test_blocking(rng, m, n, k):
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    forward(x, packed, state, w32, bias=rng.standard_normal(n).astype(np.float32), what=f"{(m, n, k)}")
+
+
+def test_fp16_input(rng):
+    packed, state, w32 = make_weight(rng, 48, 256, 64, "fp4", False)
+    x = rng.standard_normal((20, 256)).astype(np.float16)
+    forward(x, packed, state, w32, "float16", what="fp16 x")
+
+
+def test_split_loses_no_bit(rng):
+    """The parts are exact: one-hot x rows give W's columns exactly (every W
+    value, whose mantissa fills all 24 bits, rebuilt from its three parts), and
+    W = identity gives x exactly (random fp32 x over a wide range)."""
+    for quant_type, nested, blocksize in FORMATS:
+        n, k = 40, 256
+        packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested, scale=3.7)
+        cols = rng.choice(k, size=24, replace=False)
+        x = np.zeros((24, k), np.float32)
+        x[np.arange(24), cols] = 1.0
+        y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+        assert last_kernels()["gemm_4bit"] == SPLIT
+        assert np.array_equal(y, w32[:, cols].T), (quant_type, nested, blocksize)
+    k = 128
+    for quant_type in ("nf4", "fp4"):
+        packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, quant_type)
+        state = q4.QuantState(quant_type, 64, (k, k), "float32", absmax)
+        x = (rng.standard_normal((33, k)) * 2.0 ** rng.integers(-50, 50, (33, k))).astype(np.float32)
+        y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+        assert last_kernels()["gemm_4bit"] == SPLIT
+        assert np.array_equal(y, x), quant_type
+
+
+@pytest.mark.parametrize(
+    "value, split",
+    [
+        (np.nan, False),
+        (np.inf, False),
+        (-np.inf, False),
+        (1e-40, False),  # denormal
+        (2.0**-61, False),
+        (2.0**61, False),
+        (2.0**-59, True),
+        (-(2.0**59), True),
+        (0.0, True),
+    ],
+)
+def test_x_out_of_range_takes_the_fp32_kernel(rng, value, split):
+    """One x element outside {0} u [2^-60, 2^60] (or not finite): the whole
+    call is the avx512 level's, byte for byte; inside the range it is split."""
+    n, k = 64, 256
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    x[5, 77] = value
+    bias = rng.standard_normal(n).astype(np.float32)
+    y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32")
+    if split:
+        assert last_kernels()["gemm_4bit"] == SPLIT
+        if abs(value) < 2.0**40:
+            forward(x, packed, state, w32, bias=bias, what=f"x element {value}")
+    else:
+        assert last_kernels()["gemm_4bit"] == FALLBACK
+        assert y.tobytes() == avx512_bytes(x, packed, state, bias=bias, out_dtype="float32").tobytes()
+        if np.isnan(value) or np.isinf(value):
+            assert np.isnan(y[5]).any() or np.isinf(y[5]).any()
+            assert np.isfinite(np.delete(y, 5, axis=0)).all()
+
+
+@pytest.mark.parametrize("scale, split", [(2.0**40, False), (2.0**-40, False), (2.0**20, True), (2.0**-20, True)])
+def test_scales_out_of_range_take_the_fp32_kernel(rng, scale, split):
+    """A block scale outside [2^-32, 2^32] in the last W tile (found after the
+    other tiles ran): the avx512 level's bytes for the whole output."""
+    n, k = 100, 192
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", False)
+    absmax = np.array(state.absmax, copy=True)
+    absmax[-1] = scale
+    state = q4.QuantState("nf4", 64, (n, k), "float32", absmax)
+    x = rng.standard_normal((24, k)).astype(np.float32)
+    y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+    if split:
+        assert last_kernels()["gemm_4bit"] == SPLIT
+    else:
+        assert last_kernels()["gemm_4bit"] == FALLBACK
+        assert y.tobytes() == avx512_bytes(x, packed, state, out_dtype="float32").tobytes()
+
+
+def test_zero_scales_are_in_range(rng):
+    """All-zero blocks (scale 0) keep the split path: zero is exact."""
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    w[:32] = 0.0
+    packed, absmax = q4.quantize_4bit(w, 64, "nf4")
+    state = q4.QuantState("nf4", 64, (64, 128), "float32", absmax)
+    x = rng.standard_normal((16, 128)).astype(np.float32)
+    y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit"] == SPLIT
+    assert np.array_equal(y[:, :32], np.zeros((16, 32), np.float32))
+
+
+@pytest.mark.parametrize("m", [8, 40, 130])
+def test_bit_identical_across_thread_counts(rng, m):
+    packed, state, _ = make_weight(rng, 203, 1216, 64, "nf4", True)
+    x = rng.standard_normal((m, 1216)).astype(np.float32)
+    bias = rng.standard_normal(203).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3):
+        q4.set_num_threads(threads)
+        outs.append(q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32").tobytes())
+        assert last_kernels()["gemm_4bit"] == SPLIT
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_misaligned_input(rng):
+    """x at an address that is 4 mod 64: the same bits as an aligned copy."""
+    n, k, m = 64, 128, 20
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", False)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    buf = np.zeros(x.nbytes + 128, np.uint8)
+    off = (-buf.ctypes.data) % 64 + 4
+    xm = buf[off : off + x.nbytes].view(np.float32).reshape(m, k)
+    xm[...] = x
+    assert np.array_equal(q4.gemm_4bit(xm, packed, state), q4.gemm_4bit(x, packed, state))
+    assert last_kernels()["gemm_4bit"] == SPLIT
