@@ -176,6 +176,8 @@ bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // contract), when every x and block scale is in its range; false otherwise
 bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+// the same split for fp32 dY
+bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // LLM.int8 integer sums with TDPBSSD, x86/amx/int8.cc
 bool int8_gemm(const Int8Gemm& g);
 constexpr int64_t kInt8GemmMinM = 16;  // measured: below it the int8_dots tiles are faster

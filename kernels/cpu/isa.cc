@@ -106,6 +106,7 @@ cpu::KernelTable build_table(Isa isa) {
     t.gemm4.add("amx.gemv_f32", cpu::amx::gemv_f32);
     t.gemm4.add("amx.gemm4_split", cpu::amx::gemm4_split);
     t.grad4.add("amx.grad4", cpu::amx::grad4);
+    t.grad4.add("amx.grad4_split", cpu::amx::grad4_split);
     t.int8_gemm.add("amx.int8_gemm", cpu::amx::int8_gemm, cpu::amx::kInt8GemmMinM);
   }
   if (isa >= kIsaAvx512Bf16) {

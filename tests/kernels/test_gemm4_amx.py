@@ -174,4 +174,4 @@ def test_level_reports_its_chain():
     f = q4.cpu_features()
     assert f["isa"] == "amx" and f["features"]["amx"]
     assert f["kernels"]["gemm_4bit"][:4] == [FWD, "amx.gemv_f32", "amx.gemm4_split", "avx512_bf16.gemm4"]
-    assert f["kernels"]["gemm_4bit_grad_input"][:2] == [GRAD, "avx512_bf16.grad4"]
+    assert f["kernels"]["gemm_4bit_grad_input"][:3] == [GRAD, "amx.grad4_split", "avx512_bf16.grad4"]

@@ -1,10 +1,12 @@
-"""The fp32 forward on the AMX tile unit (amx.gemm4_split, kernels/cpu/x86/amx/
-gemm4.cc): fp32 / fp16 x from SPLIT_MIN_M rows, each x and W element split
+"""The fp32 forward and input gradient on the AMX tile unit (amx.gemm4_split,
+amx.grad4_split, kernels/cpu/x86/amx/gemm4.cc): fp32 / fp16 x from SPLIT_MIN_M
+rows and fp32 dY from SPLIT_GRAD_MIN_M rows, each input and W element split
 exactly into three bf16 parts and the six larger part products summed on
 TDPBF16PS, through q4's numpy API.
 
 It keeps the fp32 contract: checked against the fp64 oracle within the fp32
-accumulation bound, exactly where the answer is exact (the split loses no
+accumulation bound of a sum five terms longer (the three part products left
+out are below 2^-22 + 2^-31 of each product), exactly where the answer is exact (the split loses no
 bit of x or of W), and bit for bit against the avx512 level's fp32 kernel
 wherever it declines the call (a NaN, an infinity, a denormal or an extreme
 x, or an extreme block scale: the tile unit would read denormals as zero).
@@ -25,7 +27,9 @@ ISA = "amx"
 pytestmark = pytest.mark.usefixtures("module_isa")
 
 SPLIT_MIN_M = 8  # kSplitMinM in kernels/cpu/x86/amx/gemm4.cc
+SPLIT_GRAD_MIN_M = 64  # kSplitGradMinM
 SPLIT, FALLBACK = "amx.gemm4_split", "avx512.gemm4"
+GRAD_SPLIT, GRAD_FALLBACK = "amx.grad4_split", "avx512.grad4"
 TINY = 2.0**-126  # the tile unit flushes partial products below it
 
 
@@ -33,7 +37,7 @@ def forward(x, packed, state, w32, out_dtype="float32", bias=None, what="", kern
     y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype)
     assert last_kernels()["gemm_4bit"] == kernel, what
     check_accumulation_bound(
-        y, x.astype(np.float64), w32.astype(np.float64).T, x.shape[1], out_dtype, bias, tiny=TINY, what=what
+        y, x.astype(np.float64), w32.astype(np.float64).T, x.shape[1] + 5, out_dtype, bias, tiny=TINY, what=what
     )
     return y
 
@@ -209,3 +213,119 @@ def test_misaligned_input(rng):
     xm[...] = x
     assert np.array_equal(q4.gemm_4bit(xm, packed, state), q4.gemm_4bit(x, packed, state))
     assert last_kernels()["gemm_4bit"] == SPLIT
+
+
+# ------------------------------------------------------------ input gradient
+
+
+def grad(g, packed, state, w32, out_dtype="float32", what="", kernel=GRAD_SPLIT):
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype=out_dtype)
+    assert last_kernels()["gemm_4bit_grad_input"] == kernel, what
+    check_accumulation_bound(
+        dx, g.astype(np.float64), w32.astype(np.float64), g.shape[1] + 5, out_dtype, tiny=TINY, what=what
+    )
+    return dx
+
+
+def avx512_grad_bytes(g, packed, state, **kw):
+    with on_isa("avx512"):
+        dx = q4.gemm_4bit_grad_input(g, packed, state, **kw)
+        assert last_kernels()["gemm_4bit_grad_input"] == GRAD_FALLBACK
+    return dx
+
+
+@pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_grad_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
+    n, k = 72, 384
+    packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
+    for m in (SPLIT_GRAD_MIN_M, 70):
+        g = rng.standard_normal((m, n)).astype(np.float32)
+        grad(g, packed, state, w32, out_dtype, what=f"m={m} {quant_type} bs{blocksize} {out_dtype}")
+
+
+def test_grad_below_its_rows_and_fp16_take_the_fp32_kernel(rng):
+    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", True)
+    g = rng.standard_normal((SPLIT_GRAD_MIN_M - 1, 40)).astype(np.float32)
+    grad(g, packed, state, w32, kernel=GRAD_FALLBACK, what="m below the split gradient")
+    grad(rng.standard_normal((80, 40)).astype(np.float16), packed, state, w32, kernel=GRAD_FALLBACK, what="fp16 dY")
+
+
+@pytest.mark.parametrize(
+    "m, n, k",
+    [
+        (1600, 40, 128),  # dY blocks of 768 rows: three blocks
+        (64, 333, 320),  # 256-row W segments and a partial one, odd n (last pair half zero); a 64-column strip
+        (65, 1, 64),  # one dY column, a 17-row last group
+    ],
+)
+def test_grad_blocking(rng, m, n, k):
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
+    grad(rng.standard_normal((m, n)).astype(np.float32), packed, state, w32, what=f"{(m, n, k)}")
+
+
+def test_grad_split_loses_no_bit(rng):
+    """One-hot dY rows give W's rows exactly; W = identity gives dY exactly."""
+    for quant_type, nested, blocksize in FORMATS:
+        n, k = 80, 256
+        packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested, scale=3.7)
+        rows = rng.integers(0, n, size=64)
+        g = np.zeros((64, n), np.float32)
+        g[np.arange(64), rows] = 1.0
+        dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+        assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
+        assert np.array_equal(dx, w32[rows]), (quant_type, nested, blocksize)
+    k = 128
+    packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, "nf4")
+    state = q4.QuantState("nf4", 64, (k, k), "float32", absmax)
+    g = (rng.standard_normal((70, k)) * 2.0 ** rng.integers(-50, 50, (70, k))).astype(np.float32)
+    assert np.array_equal(q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"), g)
+    assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
+
+
+def test_grad_error_no_larger_than_the_fp32_kernels(rng):
+    n, k, m = 2048, 256, 64
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
+    g = rng.standard_normal((m, n)).astype(np.float32)
+    ref = g.astype(np.float64) @ w32.astype(np.float64)
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
+    err = np.linalg.norm(dx - ref) / np.linalg.norm(ref)
+    err_fp32 = np.linalg.norm(avx512_grad_bytes(g, packed, state, out_dtype="float32") - ref) / np.linalg.norm(ref)
+    assert err <= err_fp32, (err, err_fp32)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, 1e-40, 2.0**-61, 2.0**61])
+def test_grad_dy_out_of_range_takes_the_fp32_kernel(rng, value):
+    packed, state, _ = make_weight(rng, 64, 128, 64, "nf4", True)
+    g = rng.standard_normal((64, 64)).astype(np.float32)
+    g[9, 33] = value
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit_grad_input"] == GRAD_FALLBACK
+    assert dx.tobytes() == avx512_grad_bytes(g, packed, state, out_dtype="float32").tobytes()
+
+
+@pytest.mark.parametrize("scale, split", [(2.0**40, False), (2.0**-40, False), (2.0**-20, True)])
+def test_grad_scales_out_of_range_take_the_fp32_kernel(rng, scale, split):
+    n, k = 100, 192
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", False)
+    absmax = np.array(state.absmax, copy=True)
+    absmax[-1] = scale
+    state = q4.QuantState("nf4", 64, (n, k), "float32", absmax)
+    g = rng.standard_normal((64, n)).astype(np.float32)
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit_grad_input"] == (GRAD_SPLIT if split else GRAD_FALLBACK)
+    if not split:
+        assert dx.tobytes() == avx512_grad_bytes(g, packed, state, out_dtype="float32").tobytes()
+
+
+@pytest.mark.parametrize("m", [64, 200])
+def test_grad_bit_identical_across_thread_counts(rng, m):
+    packed, state, _ = make_weight(rng, 203, 1216, 64, "nf4", True)
+    g = rng.standard_normal((m, 203)).astype(np.float32)
+    outs = []
+    for threads in (1, 2, 3):
+        q4.set_num_threads(threads)
+        outs.append(q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32").tobytes())
+        assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
+    assert outs[0] == outs[1] == outs[2]

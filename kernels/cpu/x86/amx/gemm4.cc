@@ -348,13 +348,19 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // ------------------------------------------------------------ fp32 forward in bf16 parts
 
 // fp32 and fp16 inputs (the fp32 contract) from kSplitMinM rows: each x and
-// W element v is split exactly into three bf16 parts, v = hi + mid + lo
-// (hi = v with its low 16 bits cleared, mid the same of v - hi, lo = v - hi
-// - mid: each remainder is exact and has at most 16, then 8 significant
-// bits), and x . W is the sum of the six part products hi.hi, hi.mid,
-// hi.lo, mid.hi, mid.mid, lo.hi on TDPBF16PS (bf16 products are exact in
-// fp32; the three dropped ones, mid.lo, lo.mid and lo.lo, are below 2^-24 of
-// the product, an fp32 rounding). The tile unit reads denormal inputs as zero
+// W element v is split exactly into three bf16 parts, v = hi + mid + lo (hi
+// = v rounded to bf16, mid = v - hi rounded to bf16, lo = v - hi - mid: each
+// remainder is exact and lo has at most 8 significant bits; split3 below),
+// and x . W is the sum of the six part products hi.hi, hi.mid, hi.lo,
+// mid.hi, mid.mid, lo.hi on TDPBF16PS (bf16 products are exact in fp32). The
+// three dropped ones, mid.lo, lo.mid and lo.lo, are below (2^-22 + 2^-31) of
+// the product: the error bound is that of an fp32 sum five terms longer (in
+// practice the error is below the fp32 kernels': 2.1e-7 against 2.9e-7 at
+// 4096^2). hi.hi is summed in its own tiles, the five smaller products in
+// another pair, and the two sums added once at the end (in one accumulator,
+// where the small products round against the whole, the error measured 1.8x
+// the fp32 kernels'). The tile
+// unit reads denormal inputs as zero
 // and flushes denormal results, so the call runs here only when that cannot
 // matter: every x finite with each nonzero |x| in [2^-60, 2^60] and every
 // nonzero block scale in [2^-32, 2^32] (then each product is at least 2^-100
@@ -362,11 +368,10 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // Otherwise -- a NaN, an infinity, a denormal or an extreme value anywhere --
 // the call returns false and the avx512 level's fp32 kernel computes it
 // (over whatever this one wrote). The blocking is the bf16 forward's with
-// three segment and panel sets; per k step, the three A parts and the B
-// parts each meets: 3 A and 5 B tile loads (B1 and B0 reused across A parts)
-// for six products per C tile.
-constexpr int64_t kSplitMinM = 8;    // x rows from which the split path runs (measured crossover)
-constexpr int64_t kSplitSegK = 128;  // W columns per segment: three parts of 32 rows, 24 KiB, in L1
+// three segment and panel sets, one x panel at a time.
+constexpr int64_t kSplitMinM = 8;       // x rows from which the split path runs (measured crossover)
+constexpr int64_t kSplitGradMinM = 64;  // dY rows from which the split gradient runs (measured crossover)
+constexpr int64_t kSplitSegK = 128;     // W columns per segment: three parts of 32 rows, 24 KiB, in L1
 
 constexpr uint32_t kSplitMinX = 0x21800000u;      // 2^-60
 constexpr uint32_t kSplitMaxX = 0x5d800000u;      // 2^60
@@ -392,14 +397,27 @@ inline bool scales_in_range(const float* sc, int64_t count) {
   return bad == 0;
 }
 
-// Part `part` (0 hi, 1 mid, 2 lo) of the 16 fp32 values v.
-inline __m512 split_part(__m512 v, int part) {
-  const __m512i mask = _mm512_set1_epi32(int(0xffff0000u));
-  const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), mask));
-  if (part == 0) return hi;
-  const __m512 r = _mm512_sub_ps(v, hi);
-  const __m512 mid = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(r), mask));
-  return part == 1 ? mid : _mm512_sub_ps(r, mid);
+// v rounded to bf16, as fp32: to nearest even (v finite), or toward zero.
+template <bool NEAREST>
+inline __m512 round_bf16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v), hi = _mm512_set1_epi32(int(0xffff0000u));
+  if (!NEAREST) return _mm512_castsi512_ps(_mm512_and_si512(b, hi));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), odd);
+  return _mm512_castsi512_ps(_mm512_and_si512(r, hi));
+}
+
+// The three parts (hi, mid, lo) of the 16 fp32 values v, each remainder
+// rounded to bf16 to nearest (the inputs: |mid| <= 2^-8 |v|, |lo| <= 2^-16
+// |v|) or toward zero (the weight, in the decode's inner loop, where it is
+// 4 integer operations less per part: |mid| < 2^-7 |v|, |lo| < 2^-15 |v|).
+struct Parts {
+  __m512 p[3];
+};
+template <bool NEAREST>
+inline Parts split3(__m512 v) {
+  const __m512 hi = round_bf16<NEAREST>(v), r = _mm512_sub_ps(v, hi), mid = round_bf16<NEAREST>(r);
+  return {{hi, mid, _mm512_sub_ps(r, mid)}};
 }
 
 // Words 0-15 = bf16 of a, 16-31 = bf16 of b (exact: the parts are bf16 values).
@@ -426,7 +444,7 @@ bool pack_panels_split(const float* x, int64_t m, int64_t k, uint32_t* xp, int64
             for (int i = 0; i < 4; ++i) {
               v[i] = _mm512_loadu_ps(src + 16 * i);
               if (part == 0) out |= out_of_range(_mm512_castps_si512(v[i]), kSplitMinX, kSplitMaxX);
-              v[i] = split_part(v[i], part);
+              v[i] = split3<true>(v[i]).p[part];
             }
             deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, &e[l], &o[l]);
           } else {
@@ -467,8 +485,9 @@ void decode_segment_split(const uint8_t* packed, int64_t k, int shift, __m512 co
       const __m512 a = _mm512_mul_ps(codes, _mm512_set1_ps(sc[b]));
       const __m512 a2 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[b + 1])) : a;
       const __m512i v = widen_chunk(packed + (g >> 1));
+      const Parts pa = split3<false>(a), pa2 = TWO ? split3<false>(a2) : pa;
       for (int part = 0; part < 3; ++part) {
-        const __m512i tab = to_bf16(split_part(a, part), split_part(a2, part));
+        const __m512i tab = to_bf16(pa.p[part], pa2.p[part]);
         const Chunk w = lookup_chunk<TWO>(v, tab, half);
         _mm512_store_si512(d + part * part_stride, w.hi);
         _mm512_store_si512(d + part * part_stride + 16, w.lo);
@@ -479,10 +498,8 @@ void decode_segment_split(const uint8_t* packed, int64_t k, int shift, __m512 co
 
 // C tiles 0 / 1 (W row groups 0 / 1, one panel) += hi.hi, and tiles 2 / 3
 // += the five smaller part products, of the segment ws (part stride wst
-// dwords) and the panel at xp (part stride xst dwords): two accumulators,
-// so that the small products round against their own sum, not against the
-// whole (one accumulator measured 1.8x the error of the fp32 kernels at k =
-// 4096; these are within it). acc: hi.hi at acc, the rest at acc + 512.
+// dwords) and the panel at xp (part stride xst dwords); acc: hi.hi at acc,
+// the rest at acc + 512. Per k step 6 A and 4 B tile loads for 12 products.
 void segment_product_split(const uint32_t* ws, int64_t wst, const uint32_t* xp, int64_t xst, int64_t steps, float* acc,
                            bool fresh, bool load, bool store) {
   if (fresh) {
@@ -586,6 +603,192 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
   return !bad.load();
 }
 
+// ------------------------------------------------------------ fp32 input gradient in bf16 parts
+
+// fp32 dY from kSplitGradMinM rows, the forward's split (above) on the bf16
+// gradient's blocking: dY's three parts packed as A tiles, W's decoded as B
+// tiles; per dY group of 16 rows and pair of column groups, hi.hi into C
+// tiles 0 / 1 and the five smaller products into 2 / 3 (acc and acc2), 10
+// tile loads per 12 products. Declines (false) when a dY or a block scale is
+// out of the split range, before writing anything.
+
+// dY [m, n] fp32 -> the packed A tiles of its three parts (part j at dyp + j *
+// stride words, each laid out as pack_dy lays out a bf16 dY). False when some
+// dY is out of range.
+bool pack_dy_split(const float* dy, int64_t m, int64_t n, int64_t steps, uint16_t* dyp, int64_t stride) {
+  const int64_t groups = ceil_div(m, 16);
+  std::atomic<bool> bad{false};
+  parallel_for(groups * steps, 64, [&](int64_t u0, int64_t u1) {
+    __mmask16 out = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / steps, c0 = (u % steps) * 32;
+      const int64_t len = min64(32, n - c0);
+      const __mmask16 m0 = len >= 16 ? __mmask16(0xffff) : __mmask16((1u << len) - 1);
+      const __mmask16 m1 = len >= 32 ? __mmask16(0xffff) : len <= 16 ? __mmask16(0) : __mmask16((1u << (len - 16)) - 1);
+      for (int l = 0; l < 16; ++l) {
+        const int64_t row = g * 16 + l;
+        __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
+        if (row < m) {
+          v0 = _mm512_maskz_loadu_ps(m0, dy + row * n + c0);
+          v1 = _mm512_maskz_loadu_ps(m1, dy + row * n + c0 + 16);
+          out |= out_of_range(_mm512_castps_si512(v0), kSplitMinX, kSplitMaxX) |
+                 out_of_range(_mm512_castps_si512(v1), kSplitMinX, kSplitMaxX);
+        }
+        const Parts p0 = split3<true>(v0), p1 = split3<true>(v1);
+        for (int part = 0; part < 3; ++part)
+          _mm512_store_si512(dyp + part * stride + u * 512 + l * 32, to_bf16(p0.p[part], p1.p[part]));
+      }
+    }
+    if (out != 0) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load();
+}
+
+// decode_pair for the three parts: z[j] = part j.
+template <bool TWO>
+inline void decode_pair_split(const uint8_t* __restrict packed, const float* __restrict sc, __m512 codes, int shift,
+                              uint64_t fa, int64_t k, bool has_b, __m512i half, __m512i i_lo, __m512i i_hi,
+                              __m512i z[3][4]) {
+  const uint64_t fb = fa + uint64_t(k);
+  const int64_t ba = int64_t(fa >> shift), bb = int64_t(fb >> shift);
+  const __m512 a0 = _mm512_mul_ps(codes, _mm512_set1_ps(sc[ba]));
+  const __m512 a1 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[ba + 1])) : a0;
+  const __m512i va = widen_chunk(packed + (fa >> 1));
+  __m512 b0 = a0, b1 = a1;
+  __m512i vb = _mm512_setzero_si512();
+  if (has_b) {
+    b0 = _mm512_mul_ps(codes, _mm512_set1_ps(sc[bb]));
+    b1 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[bb + 1])) : b0;
+    vb = widen_chunk(packed + (fb >> 1));
+  }
+  const Parts pa0 = split3<false>(a0), pa1 = TWO ? split3<false>(a1) : pa0;
+  const Parts pb0 = split3<false>(b0), pb1 = TWO ? split3<false>(b1) : pb0;
+  for (int part = 0; part < 3; ++part) {
+    const Chunk a = lookup_chunk<TWO>(va, to_bf16(pa0.p[part], pa1.p[part]), half);
+    Chunk b{_mm512_setzero_si512(), _mm512_setzero_si512()};
+    if (has_b) b = lookup_chunk<TWO>(vb, to_bf16(pb0.p[part], pb1.p[part]), half);
+    interleave_pair(a, b, i_lo, i_hi, z[part]);
+  }
+}
+
+// C tiles 0 / 1 (hi.hi) and 2 / 3 (the smaller products) = the 16 dY rows of
+// the packed A tiles at dy (part stride dps words, k step s at + s * 512) x
+// column groups g, g + 1 of the strip (B tiles at wt, part stride wst dwords,
+// k step s at + s * kAmxStrip * 16), over `steps` steps of 16 W row pairs;
+// from zero (fresh) or from acc / acc2 [r * kAmxStrip + q * 16 + lane], and
+// stored there.
+void grad_product_split(const uint16_t* dy, int64_t dps, const uint32_t* wt, int64_t wst, int64_t steps, float* acc,
+                        float* acc2, bool fresh) {
+  constexpr int64_t lda = kAmxStrip * 4;           // bytes per row of acc
+  constexpr int64_t wstep = kAmxStrip / 16 * 256;  // dwords per k step of wt
+  if (fresh) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  } else {
+    _tile_loadd(0, acc, lda);
+    _tile_loadd(1, acc + 16, lda);
+    _tile_loadd(2, acc2, lda);
+    _tile_loadd(3, acc2 + 16, lda);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint32_t* w = wt + s * wstep;
+    const uint16_t* a = dy + s * 512;
+    _tile_loadd(6, w, 64);  // W hi
+    _tile_loadd(7, w + 256, 64);
+    _tile_loadd(4, a, 64);  // dY hi
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a + dps, 64);  // dY mid
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, a + 2 * dps, 64);  // dY lo
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(6, w + wst, 64);  // W mid
+    _tile_loadd(7, w + wst + 256, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
+    _tile_loadd(5, a + dps, 64);  // dY mid
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(6, w + 2 * wst, 64);  // W lo
+    _tile_loadd(7, w + 2 * wst + 256, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  _tile_stored(0, acc, lda);
+  _tile_stored(1, acc + 16, lda);
+  _tile_stored(2, acc2, lda);
+  _tile_stored(3, acc2 + 16, lda);
+}
+
+template <typename OutT, bool TWO>
+bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k;
+  const int shift = log2_exact(p.blocksize);
+  const int64_t n_blocks = ceil_div(n * k, p.blocksize);
+  const float* sc_all = decode_all_scales(scales, n_blocks, gemm4::kSlotPanels);
+  if (!scales_in_range(sc_all, n_blocks)) return false;
+  const int64_t steps = ceil_div(n, 32), gs = steps * 512;  // k steps of 32 dY columns; words per dY group
+  const int64_t dps = ceil_div(m, 16) * gs;                 // words per dY part
+  uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, 3 * dps * 2);
+  if (!pack_dy_split(static_cast<const float*>(p.grad_out), m, n, steps, dyp, dps)) return false;
+  const __m512 codes = code_table(p.quant_type);
+  const int64_t block = max64(16, kL2Budget / (2 * kAmxStrip * 4) / 16 * 16);  // dY rows per block (two sums each)
+  constexpr int64_t wstep = kAmxStrip / 16 * 256;
+  constexpr int64_t wst = kSegN * kAmxStrip / 2;  // dwords per W part of a segment
+  OutT* out = static_cast<OutT*>(p.grad_input);
+  parallel_for(ceil_div(k, kAmxStrip), 1, [&](int64_t s0, int64_t s1) {
+    configure_tiles();
+    const __m512i half = upper_half_bit();
+    const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
+    uint32_t* wt = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4);
+    float* acc = scratch_as<float>(kSlotAcc, 2 * block * kAmxStrip * 4);
+    float* acc2 = acc + block * kAmxStrip;
+    for (int64_t r0 = 0; r0 < m; r0 += block) {
+      const int64_t re = min64(m, r0 + block);
+      for (int64_t st = s0; st < s1; ++st) {
+        const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
+        for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
+          const int64_t rows = min64(kSegN, n - n0), pairs = (rows + 1) / 2, seg_steps = ceil_div(rows, 32);
+          if (pairs % 16 != 0)  // pairs past n: zero
+            for (int j = 0; j < 3; ++j)
+              memset(wt + j * wst + (pairs / 16) * wstep, 0, size_t((seg_steps - pairs / 16) * wstep) * 4);
+          for (int64_t t = 0; t < pairs; ++t) {
+            uint32_t* dst = wt + (t / 16) * wstep + (t % 16) * 16;
+            for (int64_t h = 0; h < halves; ++h) {
+              __m512i z[3][4];
+              decode_pair_split<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
+                                     n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
+              for (int j = 0; j < 3; ++j)
+                for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + j * wst + (4 * h + q) * 256, z[j][q]);
+            }
+          }
+          for (int64_t r = r0; r < re; r += 16) {
+            const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
+            for (int g = 0; g < 4 * halves; g += 2)
+              grad_product_split(a, dps, wt + g * 256, wst, seg_steps, acc + (r - r0) * kAmxStrip + g * 16,
+                                 acc2 + (r - r0) * kAmxStrip + g * 16, n0 == 0);
+          }
+        }
+        for (int64_t r = r0; r < re; ++r)  // the two sums' total
+          for (int64_t c = 0; c < halves * kStrip; c += 16) {
+            float* a = acc + (r - r0) * kAmxStrip + c;
+            _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_load_ps(a + block * kAmxStrip)));
+          }
+        for (int64_t r = r0; r < re; r += 32)
+          for (int64_t h = 0; h < halves; ++h)
+            store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip,
+                              out + r * k, kAmxStrip);
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+
 }  // namespace
 
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
@@ -619,6 +822,17 @@ bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
   return ok;
 }
 
+bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
+  if (p.grad_out_dtype != kF32 || p.k % kChunk != 0 || p.m < kSplitGradMinM) return false;
+  const ScaleDecoder scales(p.scales);
+  bool ok = false;
+  with_out_type(p.grad_input_dtype, [&](auto* o) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    ok = p.blocksize == 32 ? grad_split<OutT, true>(p, scales) : grad_split<OutT, false>(p, scales);
+  });
+  return ok;
+}
+
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
   return bf16_grad(p, kMinM, [&](auto* o, const ScaleDecoder& scales) {
     using OutT = std::remove_pointer_t<decltype(o)>;
@@ -642,6 +856,7 @@ bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool gemv_f32(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool gemm4_split(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
+bool grad4_split(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
 }  // namespace amx
 }  // namespace cpu
 }  // namespace q4

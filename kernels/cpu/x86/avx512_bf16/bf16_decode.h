@@ -216,6 +216,14 @@ inline __m512i lane_pair_index(int i0) {
   return _mm512_load_si512(idx);
 }
 
+// Two rows' decoded chunks a, b as decode_pair returns them.
+inline void interleave_pair(const Chunk& a, const Chunk& b, __m512i i_lo, __m512i i_hi, __m512i z[4]) {
+  z[0] = _mm512_permutex2var_epi16(a.hi, i_lo, b.hi);
+  z[1] = _mm512_permutex2var_epi16(a.hi, i_hi, b.hi);
+  z[2] = _mm512_permutex2var_epi16(a.lo, i_lo, b.lo);
+  z[3] = _mm512_permutex2var_epi16(a.lo, i_hi, b.lo);
+}
+
 // W rows (ra, ra + 1) x the strip's 64 columns starting at flat index fa
 // (row ra + 1 at fa + k; zeros when has_b is false) as 4 vectors of 16
 // columns x the 2 rows: columns 0,2,..,30 | 32,..,62 | 1,..,31 | 33,..,63.
@@ -231,10 +239,7 @@ inline void decode_pair(const uint8_t* __restrict packed, const float* __restric
     const __m512i tb = chunk_table<TWO>(codes, sc[bb], TWO ? sc[bb + 1] : 0.0f);
     b = decode_chunk<TWO>(packed + (fb >> 1), tb, half);
   }
-  z[0] = _mm512_permutex2var_epi16(a.hi, i_lo, b.hi);
-  z[1] = _mm512_permutex2var_epi16(a.hi, i_hi, b.hi);
-  z[2] = _mm512_permutex2var_epi16(a.lo, i_lo, b.lo);
-  z[3] = _mm512_permutex2var_epi16(a.lo, i_hi, b.lo);
+  interleave_pair(a, b, i_lo, i_hi, z);
 }
 
 // acc[(panel * lda + r) * 16 + lane] (the tiled forward's sums of W rows
