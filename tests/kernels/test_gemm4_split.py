@@ -1,6 +1,7 @@
 """The fp32 forward and input gradient on the AMX tile unit (amx.gemm4_split,
 amx.grad4_split, kernels/cpu/x86/amx/gemm4.cc): fp32 / fp16 x from SPLIT_MIN_M
-rows and fp32 dY from SPLIT_GRAD_MIN_M rows, each input and W element split
+rows and SPLIT_MIN_N outputs, fp32 dY from SPLIT_GRAD_MIN_M rows and
+SPLIT_GRAD_MIN_K dX columns, each input and W element split
 exactly into three bf16 parts and the six larger part products summed on
 TDPBF16PS, through q4's numpy API.
 
@@ -28,6 +29,8 @@ pytestmark = pytest.mark.usefixtures("module_isa")
 
 SPLIT_MIN_M = 8  # kSplitMinM in kernels/cpu/x86/amx/gemm4.cc
 SPLIT_GRAD_MIN_M = 64  # kSplitGradMinM
+SPLIT_MIN_N = 512  # kSplitMinN: narrower layers stay on the fp32 kernels
+SPLIT_GRAD_MIN_K = 512  # kSplitGradMinK
 SPLIT, FALLBACK = "amx.gemm4_split", "avx512.gemm4"
 GRAD_SPLIT, GRAD_FALLBACK = "amx.grad4_split", "avx512.grad4"
 TINY = 2.0**-126  # the tile unit flushes partial products below it
@@ -52,7 +55,7 @@ def avx512_bytes(x, packed, state, **kw):
 @pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16", "float16"])
 def test_forward_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
-    n, k = 72, 384
+    n, k = SPLIT_MIN_N + 8, 384
     packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
     bias = rng.standard_normal(n).astype(np.float32)
     for m in (SPLIT_MIN_M, 16, 17, 40):
@@ -64,7 +67,7 @@ def test_error_no_larger_than_the_fp32_kernels(rng):
     """Norm-wise error against the fp64 product at most the avx512 fp32
     kernel's (the worst-case bound above is far looser than either): a dropped
     part product (mid . mid is 2^-16 of a product) would show here."""
-    n, k, m = 256, 2048, 32
+    n, k, m = SPLIT_MIN_N, 2048, 32
     packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
     x = rng.standard_normal((m, k)).astype(np.float32)
     ref = x.astype(np.float64) @ w32.astype(np.float64).T
@@ -75,18 +78,21 @@ def test_error_no_larger_than_the_fp32_kernels(rng):
     assert err <= err_fp32, (err, err_fp32)
 
 
-def test_fewer_rows_take_the_fp32_kernel(rng):
-    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", True)
+def test_fewer_rows_or_outputs_take_the_fp32_kernel(rng):
+    packed, state, w32 = make_weight(rng, SPLIT_MIN_N, 128, 64, "nf4", True)
     x = rng.standard_normal((SPLIT_MIN_M - 1, 128)).astype(np.float32)
     forward(x, packed, state, w32, kernel=FALLBACK, what="m below the split path")
+    forward(np.vstack([x, x]), packed, state, w32, what="m at the split path")
+    packed, state, w32 = make_weight(rng, SPLIT_MIN_N - 1, 128, 64, "nf4", True)
+    forward(np.vstack([x, x]), packed, state, w32, kernel=FALLBACK, what="n below the split path")
 
 
 @pytest.mark.parametrize(
     "m, n, k",
     [
-        (130, 40, 4096),  # x blocks of 4 panels: three blocks, C carried in memory between segments
-        (33, 203, 192),  # partial last W tile; k % 128 != 0: a 64-column last segment
-        (16, 1, 64),  # one output column, one segment step
+        (130, 512, 4096),  # x blocks of 4 panels: three blocks, C carried in memory between segments
+        (33, 523, 192),  # partial last W tile; k % 128 != 0: a 64-column last segment
+        (16, 513, 64),  # a last W tile of one row, one segment step
     ],
 )
 def test_blocking(rng, m, n, k):
@@ -96,7 +102,7 @@ def test_blocking(rng, m, n, k):
 
 
 def test_fp16_input(rng):
-    packed, state, w32 = make_weight(rng, 48, 256, 64, "fp4", False)
+    packed, state, w32 = make_weight(rng, SPLIT_MIN_N, 256, 64, "fp4", False)
     x = rng.standard_normal((20, 256)).astype(np.float16)
     forward(x, packed, state, w32, "float16", what="fp16 x")
 
@@ -106,7 +112,7 @@ def test_split_loses_no_bit(rng):
     value, whose mantissa fills all 24 bits, rebuilt from its three parts), and
     W = identity gives x exactly (random fp32 x over a wide range)."""
     for quant_type, nested, blocksize in FORMATS:
-        n, k = 40, 256
+        n, k = SPLIT_MIN_N, 256
         packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested, scale=3.7)
         cols = rng.choice(k, size=24, replace=False)
         x = np.zeros((24, k), np.float32)
@@ -114,7 +120,7 @@ def test_split_loses_no_bit(rng):
         y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
         assert last_kernels()["gemm_4bit"] == SPLIT
         assert np.array_equal(y, w32[:, cols].T), (quant_type, nested, blocksize)
-    k = 128
+    k = SPLIT_MIN_N
     for quant_type in ("nf4", "fp4"):
         packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, quant_type)
         state = q4.QuantState(quant_type, 64, (k, k), "float32", absmax)
@@ -141,7 +147,7 @@ def test_split_loses_no_bit(rng):
 def test_x_out_of_range_takes_the_fp32_kernel(rng, value, split):
     """One x element outside {0} u [2^-60, 2^60] (or not finite): the whole
     call is the avx512 level's, byte for byte; inside the range it is split."""
-    n, k = 64, 256
+    n, k = SPLIT_MIN_N, 256
     packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
     x = rng.standard_normal((16, k)).astype(np.float32)
     x[5, 77] = value
@@ -163,7 +169,7 @@ def test_x_out_of_range_takes_the_fp32_kernel(rng, value, split):
 def test_scales_out_of_range_take_the_fp32_kernel(rng, scale, split):
     """A block scale outside [2^-32, 2^32] in the last W tile (found after the
     other tiles ran): the avx512 level's bytes for the whole output."""
-    n, k = 100, 192
+    n, k = SPLIT_MIN_N + 8, 192
     packed, state, w32 = make_weight(rng, n, k, 64, "nf4", False)
     absmax = np.array(state.absmax, copy=True)
     absmax[-1] = scale
@@ -179,10 +185,10 @@ def test_scales_out_of_range_take_the_fp32_kernel(rng, scale, split):
 
 def test_zero_scales_are_in_range(rng):
     """All-zero blocks (scale 0) keep the split path: zero is exact."""
-    w = rng.standard_normal((64, 128)).astype(np.float32)
+    w = rng.standard_normal((SPLIT_MIN_N, 128)).astype(np.float32)
     w[:32] = 0.0
     packed, absmax = q4.quantize_4bit(w, 64, "nf4")
-    state = q4.QuantState("nf4", 64, (64, 128), "float32", absmax)
+    state = q4.QuantState("nf4", 64, (SPLIT_MIN_N, 128), "float32", absmax)
     x = rng.standard_normal((16, 128)).astype(np.float32)
     y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
     assert last_kernels()["gemm_4bit"] == SPLIT
@@ -191,9 +197,9 @@ def test_zero_scales_are_in_range(rng):
 
 @pytest.mark.parametrize("m", [8, 40, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    packed, state, _ = make_weight(rng, 203, 1216, 64, "nf4", True)
+    packed, state, _ = make_weight(rng, 523, 1216, 64, "nf4", True)
     x = rng.standard_normal((m, 1216)).astype(np.float32)
-    bias = rng.standard_normal(203).astype(np.float32)
+    bias = rng.standard_normal(523).astype(np.float32)
     outs = []
     for threads in (1, 2, 3):
         q4.set_num_threads(threads)
@@ -204,7 +210,7 @@ def test_bit_identical_across_thread_counts(rng, m):
 
 def test_misaligned_input(rng):
     """x at an address that is 4 mod 64: the same bits as an aligned copy."""
-    n, k, m = 64, 128, 20
+    n, k, m = SPLIT_MIN_N, 128, 20
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", False)
     x = rng.standard_normal((m, k)).astype(np.float32)
     buf = np.zeros(x.nbytes + 128, np.uint8)
@@ -237,26 +243,29 @@ def avx512_grad_bytes(g, packed, state, **kw):
 @pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 def test_grad_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
-    n, k = 72, 384
+    n, k = 72, SPLIT_GRAD_MIN_K + 64  # two strips of 256 columns and one of 64
     packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
     for m in (SPLIT_GRAD_MIN_M, 70):
         g = rng.standard_normal((m, n)).astype(np.float32)
         grad(g, packed, state, w32, out_dtype, what=f"m={m} {quant_type} bs{blocksize} {out_dtype}")
 
 
-def test_grad_below_its_rows_and_fp16_take_the_fp32_kernel(rng):
-    packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", True)
+def test_grad_below_its_rows_or_columns_and_fp16_take_the_fp32_kernel(rng):
+    packed, state, w32 = make_weight(rng, 40, SPLIT_GRAD_MIN_K, 64, "nf4", True)
     g = rng.standard_normal((SPLIT_GRAD_MIN_M - 1, 40)).astype(np.float32)
     grad(g, packed, state, w32, kernel=GRAD_FALLBACK, what="m below the split gradient")
+    grad(np.vstack([g, g]), packed, state, w32, what="m at the split gradient")
+    narrow, nstate, nw32 = make_weight(rng, 40, SPLIT_GRAD_MIN_K - 64, 64, "nf4", True)
+    grad(np.vstack([g, g]), narrow, nstate, nw32, kernel=GRAD_FALLBACK, what="k below the split gradient")
     grad(rng.standard_normal((80, 40)).astype(np.float16), packed, state, w32, kernel=GRAD_FALLBACK, what="fp16 dY")
 
 
 @pytest.mark.parametrize(
     "m, n, k",
     [
-        (1600, 40, 128),  # dY blocks of 768 rows: three blocks
-        (64, 333, 320),  # 256-row W segments and a partial one, odd n (last pair half zero); a 64-column strip
-        (65, 1, 64),  # one dY column, a 17-row last group
+        (1600, 40, 512),  # dY blocks of 768 rows: three blocks
+        (64, 333, 576),  # 256-row W segments and a partial one, odd n (last pair half zero); a 64-column strip
+        (65, 1, 512),  # one dY column, a 1-row last group
     ],
 )
 def test_grad_blocking(rng, m, n, k):
@@ -267,7 +276,7 @@ def test_grad_blocking(rng, m, n, k):
 def test_grad_split_loses_no_bit(rng):
     """One-hot dY rows give W's rows exactly; W = identity gives dY exactly."""
     for quant_type, nested, blocksize in FORMATS:
-        n, k = 80, 256
+        n, k = 80, SPLIT_GRAD_MIN_K
         packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested, scale=3.7)
         rows = rng.integers(0, n, size=64)
         g = np.zeros((64, n), np.float32)
@@ -275,7 +284,7 @@ def test_grad_split_loses_no_bit(rng):
         dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
         assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
         assert np.array_equal(dx, w32[rows]), (quant_type, nested, blocksize)
-    k = 128
+    k = SPLIT_GRAD_MIN_K
     packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, "nf4")
     state = q4.QuantState("nf4", 64, (k, k), "float32", absmax)
     g = (rng.standard_normal((70, k)) * 2.0 ** rng.integers(-50, 50, (70, k))).astype(np.float32)
@@ -284,7 +293,7 @@ def test_grad_split_loses_no_bit(rng):
 
 
 def test_grad_error_no_larger_than_the_fp32_kernels(rng):
-    n, k, m = 2048, 256, 64
+    n, k, m = 2048, SPLIT_GRAD_MIN_K, 64
     packed, state, w32 = make_weight(rng, n, k, 64, "nf4", True)
     g = rng.standard_normal((m, n)).astype(np.float32)
     ref = g.astype(np.float64) @ w32.astype(np.float64)
@@ -297,7 +306,7 @@ def test_grad_error_no_larger_than_the_fp32_kernels(rng):
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, 1e-40, 2.0**-61, 2.0**61])
 def test_grad_dy_out_of_range_takes_the_fp32_kernel(rng, value):
-    packed, state, _ = make_weight(rng, 64, 128, 64, "nf4", True)
+    packed, state, _ = make_weight(rng, 64, SPLIT_GRAD_MIN_K, 64, "nf4", True)
     g = rng.standard_normal((64, 64)).astype(np.float32)
     g[9, 33] = value
     dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
@@ -307,7 +316,7 @@ def test_grad_dy_out_of_range_takes_the_fp32_kernel(rng, value):
 
 @pytest.mark.parametrize("scale, split", [(2.0**40, False), (2.0**-40, False), (2.0**-20, True)])
 def test_grad_scales_out_of_range_take_the_fp32_kernel(rng, scale, split):
-    n, k = 100, 192
+    n, k = 100, SPLIT_GRAD_MIN_K
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", False)
     absmax = np.array(state.absmax, copy=True)
     absmax[-1] = scale

@@ -371,7 +371,12 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // three segment and panel sets, one x panel at a time.
 constexpr int64_t kSplitMinM = 8;       // x rows from which the split path runs (measured crossover)
 constexpr int64_t kSplitGradMinM = 64;  // dY rows from which the split gradient runs (measured crossover)
-constexpr int64_t kSplitSegK = 128;     // W columns per segment: three parts of 32 rows, 24 KiB, in L1
+// Narrow layers stay on the fp32 kernels (measured, 1024 rows, two threads:
+// 384 W rows 0.90-0.93x of them forward, 384 dX columns -- one 256-column
+// strip and a half -- 0.95x; 1536 W rows 1.4-1.5x, 1536 dX columns 1.25x)
+constexpr int64_t kSplitMinN = 512;      // W rows (outputs) from which the split forward runs
+constexpr int64_t kSplitGradMinK = 512;  // dX columns from which the split gradient runs
+constexpr int64_t kSplitSegK = 128;      // W columns per segment: three parts of 32 rows, 24 KiB, in L1
 
 constexpr uint32_t kSplitMinX = 0x21800000u;      // 2^-60
 constexpr uint32_t kSplitMaxX = 0x5d800000u;      // 2^60
@@ -560,15 +565,19 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
   constexpr int64_t wst = kWRows * kSplitSegK / 2;
   OutT* out = static_cast<OutT*>(p.out);
   std::atomic<bool> bad{false};
-  parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
-    configure_tiles();
-    const int64_t sc_count = ((kWRows * k) >> shift) + 4;
-    uint32_t* ws = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4 + sc_count * 4);
-    float* sc = reinterpret_cast<float*>(ws + 3 * wst);
-    float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 32 * 4);
-    for (int64_t q0 = 0; q0 < panels && !bad.load(std::memory_order_relaxed); q0 += block) {
-      const int64_t qe = min64(panels, q0 + block);
-      const bool one = qe - q0 == 1;  // one panel: C stays in the tile registers over all of k
+  // x blocks outside, W tiles split over the threads inside: each thread
+  // reads each x block once (with the blocks inside, every chunk of W tiles
+  // streamed all of x again: at 384 W rows, k = 1536 and 1024 x rows, 8 x
+  // 9 MiB)
+  for (int64_t q0 = 0; q0 < panels && !bad.load(std::memory_order_relaxed); q0 += block) {
+    const int64_t qe = min64(panels, q0 + block);
+    const bool one = qe - q0 == 1;  // one panel: C stays in the tile registers over all of k
+    parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
+      configure_tiles();
+      const int64_t sc_count = ((kWRows * k) >> shift) + 4;
+      uint32_t* ws = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4 + sc_count * 4);
+      float* sc = reinterpret_cast<float*>(ws + 3 * wst);
+      float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 32 * 4);
       for (int64_t tile = t0; tile < t1; ++tile) {
         const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
         const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
@@ -597,9 +606,9 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
           store_tiles<OutT, BiasT>(acc + (q - q0) * kWRows * 32, 2 * kWRows, rows, min64(2 * kPanel, m - q * kPanel), n,
                                    r0, p.bias, out + q * kPanel * n);
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  }
   return !bad.load();
 }
 
@@ -806,7 +815,8 @@ bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales) {
 }
 
 bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
-  if ((p.x_dtype != kF32 && p.x_dtype != kF16) || p.k % kChunk != 0 || p.m < kSplitMinM) return false;
+  if ((p.x_dtype != kF32 && p.x_dtype != kF16) || p.k % kChunk != 0 || p.m < kSplitMinM || p.n < kSplitMinN)
+    return false;
   const float* x = gemm4::as_f32(p.x, p.x_dtype, p.m * p.k);
   const ScaleDecoder scales(p.scales);
   hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
@@ -823,7 +833,7 @@ bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
 }
 
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
-  if (p.grad_out_dtype != kF32 || p.k % kChunk != 0 || p.m < kSplitGradMinM) return false;
+  if (p.grad_out_dtype != kF32 || p.k % kChunk != 0 || p.m < kSplitGradMinM || p.k < kSplitGradMinK) return false;
   const ScaleDecoder scales(p.scales);
   bool ok = false;
   with_out_type(p.grad_input_dtype, [&](auto* o) {
