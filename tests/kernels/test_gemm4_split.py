@@ -1,7 +1,6 @@
 """The fp32 forward and input gradient on the AMX tile unit (amx.gemm4_split,
 amx.grad4_split, kernels/cpu/x86/amx/gemm4.cc): fp32 / fp16 x from SPLIT_MIN_M
-rows and SPLIT_MIN_N outputs, fp32 dY from SPLIT_GRAD_MIN_M rows and
-SPLIT_GRAD_MIN_K dX columns, each input and W element split
+rows, fp32 dY from SPLIT_GRAD_MIN_M rows, each input and W element split
 exactly into three bf16 parts and the six larger part products summed on
 TDPBF16PS, through q4's numpy API.
 
@@ -29,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("module_isa")
 
 SPLIT_MIN_M = 8  # kSplitMinM in kernels/cpu/x86/amx/gemm4.cc
 SPLIT_GRAD_MIN_M = 64  # kSplitGradMinM
-SPLIT_MIN_N = 512  # kSplitMinN: narrower layers stay on the fp32 kernels
-SPLIT_GRAD_MIN_K = 512  # kSplitGradMinK
+SPLIT_MIN_N = 512  # test shapes: as wide as a layer where the split pays (the kernel runs at any width)
+SPLIT_GRAD_MIN_K = 512
 SPLIT, FALLBACK = "amx.gemm4_split", "avx512.gemm4"
 GRAD_SPLIT, GRAD_FALLBACK = "amx.grad4_split", "avx512.grad4"
 TINY = 2.0**-126  # the tile unit flushes partial products below it
@@ -78,13 +77,37 @@ def test_error_no_larger_than_the_fp32_kernels(rng):
     assert err <= err_fp32, (err, err_fp32)
 
 
-def test_fewer_rows_or_outputs_take_the_fp32_kernel(rng):
+def test_fewer_rows_take_the_fp32_kernel(rng):
     packed, state, w32 = make_weight(rng, SPLIT_MIN_N, 128, 64, "nf4", True)
     x = rng.standard_normal((SPLIT_MIN_M - 1, 128)).astype(np.float32)
     forward(x, packed, state, w32, kernel=FALLBACK, what="m below the split path")
     forward(np.vstack([x, x]), packed, state, w32, what="m at the split path")
-    packed, state, w32 = make_weight(rng, SPLIT_MIN_N - 1, 128, 64, "nf4", True)
-    forward(np.vstack([x, x]), packed, state, w32, kernel=FALLBACK, what="n below the split path")
+
+
+def test_output_columns_do_not_depend_on_the_layer_width(rng):
+    """Each output is the same bytes whether the call computes it alone, in a
+    column shard (a column-parallel layer: W's rows split over devices) or
+    with the whole layer; likewise each dX column of the gradient in a shard
+    of W's columns."""
+    n, k, m = 520, 640, 40
+    packed, state, w32 = make_weight(rng, n, k, 64, "nf4", False)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    whole = q4.gemm_4bit(x, packed, state, out_dtype="float32")
+    for r0, r1 in ((0, 65), (65, 130), (512, 520), (100, 101)):
+        sp, sa = q4.quantize_4bit(w32[r0:r1], 64, "nf4")
+        assert np.array_equal(sp.reshape(-1), packed.reshape(-1)[r0 * k // 2 : r1 * k // 2])  # the shard's own bytes
+        part = q4.gemm_4bit(x, sp, q4.QuantState("nf4", 64, (r1 - r0, k), "float32", sa), out_dtype="float32")
+        assert last_kernels()["gemm_4bit"] == SPLIT
+        assert part.tobytes() == whole[:, r0:r1].copy().tobytes(), (r0, r1)
+    g = rng.standard_normal((SPLIT_GRAD_MIN_M, n)).astype(np.float32)
+    whole = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+    for c0, c1 in ((0, 64), (64, 320), (576, 640)):
+        sp, sa = q4.quantize_4bit(np.ascontiguousarray(w32[:, c0:c1]), 64, "nf4")
+        part = q4.gemm_4bit_grad_input(
+            g, sp, q4.QuantState("nf4", 64, (n, c1 - c0), "float32", sa), out_dtype="float32"
+        )
+        assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
+        assert part.tobytes() == whole[:, c0:c1].copy().tobytes(), (c0, c1)
 
 
 @pytest.mark.parametrize(
@@ -250,13 +273,11 @@ def test_grad_matches_oracle(rng, quant_type, nested, blocksize, out_dtype):
         grad(g, packed, state, w32, out_dtype, what=f"m={m} {quant_type} bs{blocksize} {out_dtype}")
 
 
-def test_grad_below_its_rows_or_columns_and_fp16_take_the_fp32_kernel(rng):
+def test_grad_below_its_rows_and_fp16_take_the_fp32_kernel(rng):
     packed, state, w32 = make_weight(rng, 40, SPLIT_GRAD_MIN_K, 64, "nf4", True)
     g = rng.standard_normal((SPLIT_GRAD_MIN_M - 1, 40)).astype(np.float32)
     grad(g, packed, state, w32, kernel=GRAD_FALLBACK, what="m below the split gradient")
     grad(np.vstack([g, g]), packed, state, w32, what="m at the split gradient")
-    narrow, nstate, nw32 = make_weight(rng, 40, SPLIT_GRAD_MIN_K - 64, 64, "nf4", True)
-    grad(np.vstack([g, g]), narrow, nstate, nw32, kernel=GRAD_FALLBACK, what="k below the split gradient")
     grad(rng.standard_normal((80, 40)).astype(np.float16), packed, state, w32, kernel=GRAD_FALLBACK, what="fp16 dY")
 
 

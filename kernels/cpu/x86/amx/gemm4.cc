@@ -371,12 +371,7 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // three segment and panel sets, one x panel at a time.
 constexpr int64_t kSplitMinM = 8;       // x rows from which the split path runs (measured crossover)
 constexpr int64_t kSplitGradMinM = 64;  // dY rows from which the split gradient runs (measured crossover)
-// Narrow layers stay on the fp32 kernels (measured, 1024 rows, two threads:
-// 384 W rows 0.90-0.93x of them forward, 384 dX columns -- one 256-column
-// strip and a half -- 0.95x; 1536 W rows 1.4-1.5x, 1536 dX columns 1.25x)
-constexpr int64_t kSplitMinN = 512;      // W rows (outputs) from which the split forward runs
-constexpr int64_t kSplitGradMinK = 512;  // dX columns from which the split gradient runs
-constexpr int64_t kSplitSegK = 128;      // W columns per segment: three parts of 32 rows, 24 KiB, in L1
+constexpr int64_t kSplitSegK = 128;     // W columns per segment: three parts of 32 rows, 24 KiB, in L1
 
 constexpr uint32_t kSplitMinX = 0x21800000u;      // 2^-60
 constexpr uint32_t kSplitMaxX = 0x5d800000u;      // 2^60
@@ -815,8 +810,9 @@ bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales) {
 }
 
 bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
-  if ((p.x_dtype != kF32 && p.x_dtype != kF16) || p.k % kChunk != 0 || p.m < kSplitMinM || p.n < kSplitMinN)
-    return false;
+  // no test on n: which kernel computes an output must not depend on how many
+  // outputs the call has (a column-parallel shard gives one device's bytes)
+  if ((p.x_dtype != kF32 && p.x_dtype != kF16) || p.k % kChunk != 0 || p.m < kSplitMinM) return false;
   const float* x = gemm4::as_f32(p.x, p.x_dtype, p.m * p.k);
   const ScaleDecoder scales(p.scales);
   hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
@@ -833,7 +829,7 @@ bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
 }
 
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
-  if (p.grad_out_dtype != kF32 || p.k % kChunk != 0 || p.m < kSplitGradMinM || p.k < kSplitGradMinK) return false;
+  if (p.grad_out_dtype != kF32 || p.k % kChunk != 0 || p.m < kSplitGradMinM) return false;  // none on k (above)
   const ScaleDecoder scales(p.scales);
   bool ok = false;
   with_out_type(p.grad_input_dtype, [&](auto* o) {
