@@ -95,6 +95,24 @@ constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole
 constexpr int64_t kSegN = 256;      // gradient: W rows decoded per segment (a strip's columns: 128 KiB, in L2)
 constexpr int64_t kL2Budget = int64_t(3) << 19;  // gradient: bytes of L2 for a dY block's strip sums
 
+// The walk of a segment decode over W rows [r0, r0 + rows) x columns [c0, c0
+// + len): asks for each row's bytes of the next segment (SEG columns wide),
+// then calls chunk(bytes, b, d) for each 64-element chunk with its 32 packed
+// bytes, its block b - b0 and its destination d = ws + r * SEG / 2 + c / 2.
+template <int64_t SEG, typename F>
+inline void for_each_segment_chunk(const uint8_t* packed, int64_t k, int shift, int64_t b0, int64_t r0, int64_t rows,
+                                   int64_t c0, int64_t len, uint32_t* ws, F&& chunk) {
+  for (int64_t r = 0; r < rows; ++r) {
+    uint64_t g = uint64_t((r0 + r) * k + c0);
+    if (c0 + len < k)
+      for (int64_t l = 0; l < min64(SEG, k - c0 - len); l += 128)
+        _mm_prefetch(reinterpret_cast<const char*>(packed + ((g + len + l) >> 1)), _MM_HINT_T0);
+    uint32_t* d = ws + r * (SEG / 2);
+    for (int64_t c = 0; c < len; c += kChunk, g += kChunk, d += 32)
+      chunk(packed + (g >> 1), int64_t(g >> shift) - b0, d);
+  }
+}
+
 // Decodes W rows [r0, r0 + rows) x columns [c0, c0 + len) into the segment
 // buffer ws (row r at ws + r * kSegK / 2 dwords; each 64-element chunk as its
 // 32 even elements, then its 32 odd ones: k steps 2c and 2c + 1 of chunk c),
@@ -104,20 +122,13 @@ template <bool TWO>
 void decode_segment(const uint8_t* packed, int64_t k, int shift, __m512 codes, const float* sc, int64_t b0, int64_t r0,
                     int64_t rows, int64_t c0, int64_t len, uint32_t* ws) {
   const __m512i half = upper_half_bit();
-  for (int64_t r = 0; r < rows; ++r) {
-    uint64_t g = uint64_t((r0 + r) * k + c0);
-    if (c0 + len < k)
-      for (int64_t l = 0; l < min64(kSegK, k - c0 - len); l += 128)
-        _mm_prefetch(reinterpret_cast<const char*>(packed + ((g + len + l) >> 1)), _MM_HINT_T0);
-    uint32_t* d = ws + r * (kSegK / 2);
-    for (int64_t c = 0; c < len; c += kChunk, g += kChunk, d += 32) {
-      const int64_t b = int64_t(g >> shift) - b0;
-      const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
-      const Chunk w = decode_chunk<TWO>(packed + (g >> 1), tab, half);
-      _mm512_store_si512(d, w.hi);
-      _mm512_store_si512(d + 16, w.lo);
-    }
-  }
+  for_each_segment_chunk<kSegK>(packed, k, shift, b0, r0, rows, c0, len, ws,
+                                [&](const uint8_t* bytes, int64_t b, uint32_t* d) {
+                                  const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
+                                  const Chunk w = decode_chunk<TWO>(bytes, tab, half);
+                                  _mm512_store_si512(d, w.hi);
+                                  _mm512_store_si512(d + 16, w.lo);
+                                });
 }
 
 // C tiles 0-3 = W rows 0-15 / 16-31 x panels 0 / 1 (Q panels) += the W
@@ -474,27 +485,59 @@ void decode_segment_split(const uint8_t* packed, int64_t k, int shift, __m512 co
                           int64_t r0, int64_t rows, int64_t c0, int64_t len, uint32_t* ws) {
   constexpr int64_t part_stride = kWRows * kSplitSegK / 2;
   const __m512i half = upper_half_bit();
-  for (int64_t r = 0; r < rows; ++r) {
-    uint64_t g = uint64_t((r0 + r) * k + c0);
-    if (c0 + len < k)
-      for (int64_t l = 0; l < min64(kSplitSegK, k - c0 - len); l += 128)
-        _mm_prefetch(reinterpret_cast<const char*>(packed + ((g + len + l) >> 1)), _MM_HINT_T0);
-    uint32_t* d = ws + r * (kSplitSegK / 2);
-    for (int64_t c = 0; c < len; c += kChunk, g += kChunk, d += 32) {
-      const int64_t b = int64_t(g >> shift) - b0;
-      const __m512 a = _mm512_mul_ps(codes, _mm512_set1_ps(sc[b]));
-      const __m512 a2 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[b + 1])) : a;
-      const __m512i v = widen_chunk(packed + (g >> 1));
-      const Parts pa = split3<false>(a), pa2 = TWO ? split3<false>(a2) : pa;
-      for (int part = 0; part < 3; ++part) {
-        const __m512i tab = to_bf16(pa.p[part], pa2.p[part]);
-        const Chunk w = lookup_chunk<TWO>(v, tab, half);
-        _mm512_store_si512(d + part * part_stride, w.hi);
-        _mm512_store_si512(d + part * part_stride + 16, w.lo);
-      }
-    }
-  }
+  for_each_segment_chunk<kSplitSegK>(packed, k, shift, b0, r0, rows, c0, len, ws,
+                                     [&](const uint8_t* bytes, int64_t b, uint32_t* d) {
+                                       const __m512 a = _mm512_mul_ps(codes, _mm512_set1_ps(sc[b]));
+                                       const __m512 a2 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[b + 1])) : a;
+                                       const __m512i v = widen_chunk(bytes);
+                                       const Parts pa = split3<false>(a), pa2 = TWO ? split3<false>(a2) : pa;
+                                       for (int part = 0; part < 3; ++part) {
+                                         const Chunk w = lookup_chunk<TWO>(v, to_bf16(pa.p[part], pa2.p[part]), half);
+                                         _mm512_store_si512(d + part * part_stride, w.hi);
+                                         _mm512_store_si512(d + part * part_stride + 16, w.lo);
+                                       }
+                                     });
 }
+
+// One k step of the six part products into C tiles 0 / 1 (hi.hi) and 2 / 3
+// (the five smaller ones): tiles P0 / P1 hold the part of the operand that
+// differs between C 0 and 1 (pair(j) loads part j there), S0 / S1 parts of
+// the shared one (shared0(j), shared1(j)); PAIR_A: the pair is the A operand
+// (the forward's W row groups), else B (the gradient's W column groups).
+// Loads: parts hi, mid, lo of the shared operand, then mid again; hi, mid,
+// lo of the pair.
+template <bool PAIR_A, int P0, int P1, int S0, int S1>
+struct SixProducts {
+  template <int C, int P, int S>
+  static void dot() {
+    if (PAIR_A)
+      _tile_dpbf16ps(C, P, S);
+    else
+      _tile_dpbf16ps(C, S, P);
+  }
+  template <typename Pair, typename Shared0, typename Shared1>
+  static void step(Pair&& pair, Shared0&& shared0, Shared1&& shared1) {
+    pair(0);  // hi . hi -> C 0 / 1
+    shared0(0);
+    dot<0, P0, S0>();
+    dot<1, P1, S0>();
+    shared1(1);  // hi . mid
+    dot<2, P0, S1>();
+    dot<3, P1, S1>();
+    shared1(2);  // hi . lo
+    dot<2, P0, S1>();
+    dot<3, P1, S1>();
+    pair(1);  // mid . hi
+    dot<2, P0, S0>();
+    dot<3, P1, S0>();
+    shared1(1);  // mid . mid
+    dot<2, P0, S1>();
+    dot<3, P1, S1>();
+    pair(2);  // lo . hi
+    dot<2, P0, S0>();
+    dot<3, P1, S0>();
+  }
+};
 
 // C tiles 0 / 1 (W row groups 0 / 1, one panel) += hi.hi, and tiles 2 / 3
 // += the five smaller part products, of the segment ws (part stride wst
@@ -517,28 +560,12 @@ void segment_product_split(const uint32_t* ws, int64_t wst, const uint32_t* xp, 
   for (int64_t s = 0; s < steps; ++s) {
     const uint32_t* w = ws + s * 16;
     const uint32_t* x = xp + s * 256;
-    _tile_loadd(4, w, ldw);  // W hi
-    _tile_loadd(5, w + 16 * (kSplitSegK / 2), ldw);
-    _tile_loadd(6, x, 64);  // x hi
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    _tile_loadd(7, x + xst, 64);  // x mid
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(7, x + 2 * xst, 64);  // x lo
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, w + wst, ldw);  // W mid
-    _tile_loadd(5, w + wst + 16 * (kSplitSegK / 2), ldw);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_dpbf16ps(3, 5, 6);
-    _tile_loadd(7, x + xst, 64);  // x mid
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, w + 2 * wst, ldw);  // W lo
-    _tile_loadd(5, w + 2 * wst + 16 * (kSplitSegK / 2), ldw);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_dpbf16ps(3, 5, 6);
+    SixProducts<true, 4, 5, 6, 7>::step(
+        [&](int j) {  // W part j, row groups 0 / 1
+          _tile_loadd(4, w + j * wst, ldw);
+          _tile_loadd(5, w + j * wst + 16 * (kSplitSegK / 2), ldw);
+        },
+        [&](int j) { _tile_loadd(6, x + j * xst, 64); }, [&](int j) { _tile_loadd(7, x + j * xst, 64); });
   }
   if (store) {
     _tile_stored(0, acc, 64);
@@ -699,28 +726,12 @@ void grad_product_split(const uint16_t* dy, int64_t dps, const uint32_t* wt, int
   for (int64_t s = 0; s < steps; ++s) {
     const uint32_t* w = wt + s * wstep;
     const uint16_t* a = dy + s * 512;
-    _tile_loadd(6, w, 64);  // W hi
-    _tile_loadd(7, w + 256, 64);
-    _tile_loadd(4, a, 64);  // dY hi
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + dps, 64);  // dY mid
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(5, a + 2 * dps, 64);  // dY lo
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(6, w + wst, 64);  // W mid
-    _tile_loadd(7, w + wst + 256, 64);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_dpbf16ps(3, 4, 7);
-    _tile_loadd(5, a + dps, 64);  // dY mid
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(6, w + 2 * wst, 64);  // W lo
-    _tile_loadd(7, w + 2 * wst + 256, 64);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_dpbf16ps(3, 4, 7);
+    SixProducts<false, 6, 7, 4, 5>::step(
+        [&](int j) {  // W part j, column groups 0 / 1
+          _tile_loadd(6, w + j * wst, 64);
+          _tile_loadd(7, w + j * wst + 256, 64);
+        },
+        [&](int j) { _tile_loadd(4, a + j * dps, 64); }, [&](int j) { _tile_loadd(5, a + j * dps, 64); });
   }
   _tile_stored(0, acc, lda);
   _tile_stored(1, acc + 16, lda);
