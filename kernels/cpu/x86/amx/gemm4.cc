@@ -508,12 +508,18 @@ void decode_segment_split(const uint8_t* packed, int64_t k, int shift, __m512 co
 // lo of the pair.
 template <bool PAIR_A, int P0, int P1, int S0, int S1>
 struct SixProducts {
+  // C += A . B for tile numbers given as template arguments (the
+  // _tile_dpbf16ps macro pastes its arguments' text into the instruction)
+  template <int C, int A, int B>
+  static void tdp() {
+    __asm__ volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+  }
   template <int C, int P, int S>
   static void dot() {
     if (PAIR_A)
-      _tile_dpbf16ps(C, P, S);
+      tdp<C, P, S>();
     else
-      _tile_dpbf16ps(C, S, P);
+      tdp<C, S, P>();
   }
   template <typename Pair, typename Shared0, typename Shared1>
   static void step(Pair&& pair, Shared0&& shared0, Shared1&& shared1) {
