@@ -370,16 +370,16 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // 4096^2). hi.hi is summed in its own tiles, the five smaller products in
 // another pair, and the two sums added once at the end (in one accumulator,
 // where the small products round against the whole, the error measured 1.8x
-// the fp32 kernels'). The tile
-// unit reads denormal inputs as zero
-// and flushes denormal results, so the call runs here only when that cannot
+// the fp32 kernels'). The tile unit reads denormal inputs as zero and
+// flushes denormal results, so the call runs here only when that cannot
 // matter: every x finite with each nonzero |x| in [2^-60, 2^60] and every
 // nonzero block scale in [2^-32, 2^32] (then each product is at least 2^-100
 // and a part product that flushes is below 2^-26 of it; no sum can overflow).
 // Otherwise -- a NaN, an infinity, a denormal or an extreme value anywhere --
 // the call returns false and the avx512 level's fp32 kernel computes it
 // (over whatever this one wrote). The blocking is the bf16 forward's with
-// three segment and panel sets, one x panel at a time.
+// three segment and panel sets, one x panel at a time, and the x blocks
+// outside the threads' split of the W tiles.
 constexpr int64_t kSplitMinM = 8;       // x rows from which the split path runs (measured crossover)
 constexpr int64_t kSplitGradMinM = 64;  // dY rows from which the split gradient runs (measured crossover)
 constexpr int64_t kSplitSegK = 128;     // W columns per segment: three parts of 32 rows, 24 KiB, in L1
