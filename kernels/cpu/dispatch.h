@@ -172,11 +172,11 @@ namespace amx {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // batch-1 bf16 inputs through the fp32 gemv (avx512::gemm4): faster on AMX cores
 bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales);
-// fp32 / fp16 inputs from 16 rows as six bf16 part products (the fp32
+// fp32 / fp16 inputs from 8 rows as six bf16 part products (the fp32
 // contract), when every x and block scale is in its range; false otherwise
 bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
-// the same split for fp32 dY
+// the same split for fp32 dY from 64 rows
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // LLM.int8 integer sums with TDPBSSD, x86/amx/int8.cc
 bool int8_gemm(const Int8Gemm& g);

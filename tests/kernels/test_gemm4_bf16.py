@@ -227,14 +227,15 @@ def test_denormal_inputs_count_as_zero(rng):
     )
 
 
-def check_thread_counts_agree(rng, m, n, k, kernels=None):
-    """The forward (fp32 and bf16 out, with a bias) and the input gradient on
-    1, 2 and 3 threads: the same bytes each time; `kernels` (forward,
-    gradient), when given, are the kernels that must have run."""
+def check_thread_counts_agree(rng, m, n, k, kernels=None, sample=bf16_input):
+    """The forward (fp32 and the input's dtype out, with a bias) and the input
+    gradient on 1, 2 and 3 threads: the same bytes each time; `kernels`
+    (forward, gradient), when given, are the kernels that must have run;
+    sample(rng, shape) makes the inputs (bf16 by default)."""
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
-    x = bf16_input(rng, (m, k))
-    g = bf16_input(rng, (m, n))
-    bias = bf16_input(rng, (n,))
+    x = sample(rng, (m, k))
+    g = sample(rng, (m, n))
+    bias = sample(rng, (n,))
     outs = []
     for threads in (1, 2, 3):
         q4.set_num_threads(threads)

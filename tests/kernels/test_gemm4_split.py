@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import on_isa
-from kernels.test_gemm4_bf16 import FORMATS, last_kernels
+from kernels.test_gemm4_bf16 import FORMATS, check_thread_counts_agree, last_kernels
 from reference.matmul import check_accumulation_bound
 from reference.matmul import quantized_weight as make_weight
 
@@ -33,6 +33,10 @@ SPLIT_GRAD_MIN_K = 512
 SPLIT, FALLBACK = "amx.gemm4_split", "avx512.gemm4"
 GRAD_SPLIT, GRAD_FALLBACK = "amx.grad4_split", "avx512.grad4"
 TINY = 2.0**-126  # the tile unit flushes partial products below it
+
+
+def fp32_input(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
 
 
 def forward(x, packed, state, w32, out_dtype="float32", bias=None, what="", kernel=SPLIT):
@@ -218,17 +222,11 @@ def test_zero_scales_are_in_range(rng):
     assert np.array_equal(y[:, :32], np.zeros((16, 32), np.float32))
 
 
-@pytest.mark.parametrize("m", [8, 40, 130])
+@pytest.mark.parametrize("m", [8, 40, 64, 130, 200])
 def test_bit_identical_across_thread_counts(rng, m):
-    packed, state, _ = make_weight(rng, 523, 1216, 64, "nf4", True)
-    x = rng.standard_normal((m, 1216)).astype(np.float32)
-    bias = rng.standard_normal(523).astype(np.float32)
-    outs = []
-    for threads in (1, 2, 3):
-        q4.set_num_threads(threads)
-        outs.append(q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32").tobytes())
-        assert last_kernels()["gemm_4bit"] == SPLIT
-    assert outs[0] == outs[1] == outs[2]
+    """Forward and gradient (the split one from SPLIT_GRAD_MIN_M rows) on 1, 2 and 3 threads."""
+    kernels = (SPLIT, GRAD_SPLIT if m >= SPLIT_GRAD_MIN_M else GRAD_FALLBACK)
+    check_thread_counts_agree(rng, m, 523, 1216, kernels, sample=fp32_input)
 
 
 def test_misaligned_input(rng):
@@ -347,15 +345,3 @@ def test_grad_scales_out_of_range_take_the_fp32_kernel(rng, scale, split):
     assert last_kernels()["gemm_4bit_grad_input"] == (GRAD_SPLIT if split else GRAD_FALLBACK)
     if not split:
         assert dx.tobytes() == avx512_grad_bytes(g, packed, state, out_dtype="float32").tobytes()
-
-
-@pytest.mark.parametrize("m", [64, 200])
-def test_grad_bit_identical_across_thread_counts(rng, m):
-    packed, state, _ = make_weight(rng, 203, 1216, 64, "nf4", True)
-    g = rng.standard_normal((m, 203)).astype(np.float32)
-    outs = []
-    for threads in (1, 2, 3):
-        q4.set_num_threads(threads)
-        outs.append(q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32").tobytes())
-        assert last_kernels()["gemm_4bit_grad_input"] == GRAD_SPLIT
-    assert outs[0] == outs[1] == outs[2]

@@ -93,7 +93,8 @@ constexpr int64_t kSegK = 256;  // W columns decoded per segment (32 rows: 16 Ki
 constexpr int64_t kXBlockBytes = int64_t(3) << 19;  // x panels kept in L2 while the W tiles pass (1.5 MiB)
 constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole 64-byte lines of each W row)
 constexpr int64_t kSegN = 256;      // gradient: W rows decoded per segment (a strip's columns: 128 KiB, in L2)
-constexpr int64_t kL2Budget = int64_t(3) << 19;  // gradient: bytes of L2 for a dY block's strip sums
+constexpr int64_t kStripStep = kAmxStrip / 16 * 256;  // gradient: dwords per k step of a strip's W tiles
+constexpr int64_t kL2Budget = int64_t(3) << 19;       // gradient: bytes of L2 for a dY block's strip sums
 
 // The walk of a segment decode over W rows [r0, r0 + rows) x columns [c0, c0
 // + len): asks for each row's bytes of the next segment (SEG columns wide),
@@ -225,6 +226,28 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
 
 // ------------------------------------------------------------ input gradient
 
+// A strip's W segment -- rows [n0, n0 + rows), the strip's `halves` 64-column
+// parts -- as B tiles in wt ([rows / 32 k steps][kAmxStrip / 16 column
+// groups][16 row pairs][16 dwords]), PARTS sets of them part_stride dwords
+// apart; row pairs past n are zero. decode(t, h, z) fills z[part][0..3] with
+// row pair t's part h (decode_pair's four vectors).
+template <int PARTS, typename Decode>
+inline void decode_strip_segment(int64_t rows, int64_t halves, uint32_t* wt, int64_t part_stride, Decode&& decode) {
+  const int64_t pairs = (rows + 1) / 2, steps = ceil_div(rows, 32);
+  if (pairs % 16 != 0)  // pairs past n: zero
+    for (int j = 0; j < PARTS; ++j)
+      memset(wt + j * part_stride + (pairs / 16) * kStripStep, 0, size_t((steps - pairs / 16) * kStripStep) * 4);
+  for (int64_t t = 0; t < pairs; ++t) {
+    uint32_t* dst = wt + (t / 16) * kStripStep + (t % 16) * 16;
+    for (int64_t h = 0; h < halves; ++h) {
+      __m512i z[PARTS][4];
+      decode(t, h, z);
+      for (int j = 0; j < PARTS; ++j)
+        for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + j * part_stride + (4 * h + q) * 256, z[j][q]);
+    }
+  }
+}
+
 // C tiles 0-3 = dY rows 0-15 / 16-31 (A tiles at dy, row stride ldy bytes) x
 // column groups g, g + 1 of the strip (B tiles at wt + q * 256 dwords, k step
 // s at + s * 1024), over `steps` steps of 16 W row pairs; stored to acc[r *
@@ -237,8 +260,7 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
 // groups.
 template <bool G2>
 void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t steps, float* acc, bool fresh) {
-  constexpr int64_t lda = kAmxStrip * 4;           // bytes per row of acc
-  constexpr int64_t wstep = kAmxStrip / 16 * 256;  // dwords per k step of wt
+  constexpr int64_t lda = kAmxStrip * 4;  // bytes per row of acc
   if (fresh) {
     _tile_zero(0);
     _tile_zero(2);
@@ -255,8 +277,8 @@ void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t st
     }
   }
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(6, wt + s * wstep, 64);
-    _tile_loadd(7, wt + s * wstep + 256, 64);
+    _tile_loadd(6, wt + s * kStripStep, 64);
+    _tile_loadd(7, wt + s * kStripStep + 256, 64);
     _tile_loadd(4, dy + s * 512, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 4, 7);
@@ -322,19 +344,11 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
         // the strip's 64-column parts (fewer in the last strip when k % kAmxStrip != 0)
         const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
         for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
-          const int64_t rows = min64(kSegN, n - n0), pairs = (rows + 1) / 2, seg_steps = ceil_div(rows, 32);
-          constexpr int64_t wstep = kAmxStrip / 16 * 256;
-          if (pairs % 16 != 0)  // pairs past n: zero
-            memset(wt + (pairs / 16) * wstep, 0, size_t((seg_steps - pairs / 16) * wstep) * 4);
-          for (int64_t t = 0; t < pairs; ++t) {
-            uint32_t* dst = wt + (t / 16) * wstep + (t % 16) * 16;
-            for (int64_t h = 0; h < halves; ++h) {
-              __m512i z[4];
-              decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
-                               n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
-              for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + (4 * h + q) * 256, z[q]);
-            }
-          }
+          const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
+          decode_strip_segment<1>(rows, halves, wt, 0, [&](int64_t t, int64_t h, __m512i z[1][4]) {
+            decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
+                             n0 + 2 * t + 1 < n, half, i_lo, i_hi, z[0]);
+          });
           for (int64_t r = r0; r < re; r += 32) {
             const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
             float* ac = acc + (r - r0) * kAmxStrip;
@@ -445,31 +459,16 @@ bool pack_panels_split(const float* x, int64_t m, int64_t k, uint32_t* xp, int64
     __mmask16 out = 0;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
-      for (int part = 0; part < 3; ++part) {
-        __m512i e[16], o[16];
-        for (int l = 0; l < kPanel; ++l) {
-          const int64_t row = panel * kPanel + l;
-          if (row < m) {
-            const float* src = x + row * k + c;
-            __m512 v[4];
-            for (int i = 0; i < 4; ++i) {
-              v[i] = _mm512_loadu_ps(src + 16 * i);
-              if (part == 0) out |= out_of_range(_mm512_castps_si512(v[i]), kSplitMinX, kSplitMaxX);
-              v[i] = split3<true>(v[i]).p[part];
-            }
-            deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, &e[l], &o[l]);
-          } else {
-            e[l] = o[l] = _mm512_setzero_si512();
+      for (int part = 0; part < 3; ++part)
+        pack_panel_chunk(m, k, panel, c, xp + part * stride, [&](int64_t r, __m512i* e, __m512i* o) {
+          __m512 v[4];
+          for (int i = 0; i < 4; ++i) {
+            v[i] = _mm512_loadu_ps(x + r * k + c + 16 * i);
+            if (part == 0) out |= out_of_range(_mm512_castps_si512(v[i]), kSplitMinX, kSplitMaxX);
+            v[i] = split3<true>(v[i]).p[part];
           }
-        }
-        transpose16(e);
-        transpose16(o);
-        uint32_t* dst = xp + part * stride + (panel * (k / 2) + c / 2) * kPanel;
-        for (int t = 0; t < 16; ++t) {
-          _mm512_store_si512(dst + t * 16, e[t]);
-          _mm512_store_si512(dst + (16 + t) * 16, o[t]);
-        }
-      }
+          deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, e, o);
+        });
     }
     if (out != 0) bad.store(true, std::memory_order_relaxed);
   });
@@ -716,8 +715,7 @@ inline void decode_pair_split(const uint8_t* __restrict packed, const float* __r
 // stored there.
 void grad_product_split(const uint16_t* dy, int64_t dps, const uint32_t* wt, int64_t wst, int64_t steps, float* acc,
                         float* acc2, bool fresh) {
-  constexpr int64_t lda = kAmxStrip * 4;           // bytes per row of acc
-  constexpr int64_t wstep = kAmxStrip / 16 * 256;  // dwords per k step of wt
+  constexpr int64_t lda = kAmxStrip * 4;  // bytes per row of acc
   if (fresh) {
     _tile_zero(0);
     _tile_zero(1);
@@ -730,7 +728,7 @@ void grad_product_split(const uint16_t* dy, int64_t dps, const uint32_t* wt, int
     _tile_loadd(3, acc2 + 16, lda);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    const uint32_t* w = wt + s * wstep;
+    const uint32_t* w = wt + s * kStripStep;
     const uint16_t* a = dy + s * 512;
     SixProducts<false, 6, 7, 4, 5>::step(
         [&](int j) {  // W part j, column groups 0 / 1
@@ -758,8 +756,7 @@ bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   if (!pack_dy_split(static_cast<const float*>(p.grad_out), m, n, steps, dyp, dps)) return false;
   const __m512 codes = code_table(p.quant_type);
   const int64_t block = max64(16, kL2Budget / (2 * kAmxStrip * 4) / 16 * 16);  // dY rows per block (two sums each)
-  constexpr int64_t wstep = kAmxStrip / 16 * 256;
-  constexpr int64_t wst = kSegN * kAmxStrip / 2;  // dwords per W part of a segment
+  constexpr int64_t wst = kSegN * kAmxStrip / 2;                               // dwords per W part of a segment
   OutT* out = static_cast<OutT*>(p.grad_input);
   parallel_for(ceil_div(k, kAmxStrip), 1, [&](int64_t s0, int64_t s1) {
     configure_tiles();
@@ -773,20 +770,11 @@ bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
       for (int64_t st = s0; st < s1; ++st) {
         const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
         for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
-          const int64_t rows = min64(kSegN, n - n0), pairs = (rows + 1) / 2, seg_steps = ceil_div(rows, 32);
-          if (pairs % 16 != 0)  // pairs past n: zero
-            for (int j = 0; j < 3; ++j)
-              memset(wt + j * wst + (pairs / 16) * wstep, 0, size_t((seg_steps - pairs / 16) * wstep) * 4);
-          for (int64_t t = 0; t < pairs; ++t) {
-            uint32_t* dst = wt + (t / 16) * wstep + (t % 16) * 16;
-            for (int64_t h = 0; h < halves; ++h) {
-              __m512i z[3][4];
-              decode_pair_split<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
-                                     n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
-              for (int j = 0; j < 3; ++j)
-                for (int q = 0; q < 4; ++q) _mm512_store_si512(dst + j * wst + (4 * h + q) * 256, z[j][q]);
-            }
-          }
+          const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
+          decode_strip_segment<3>(rows, halves, wt, wst, [&](int64_t t, int64_t h, __m512i z[3][4]) {
+            decode_pair_split<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
+                                   n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
+          });
           for (int64_t r = r0; r < re; r += 16) {
             const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
             for (int g = 0; g < 4 * halves; g += 2)
@@ -831,29 +819,20 @@ bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales&) {
   // outputs the call has (a column-parallel shard gives one device's bytes)
   if ((p.x_dtype != kF32 && p.x_dtype != kF16) || p.k % kChunk != 0 || p.m < kSplitMinM) return false;
   const float* x = gemm4::as_f32(p.x, p.x_dtype, p.m * p.k);
-  const ScaleDecoder scales(p.scales);
-  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
-  bool ok = false;
-  with_out_type(p.out_dtype, [&](auto* o) {
-    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) {
-      using OutT = std::remove_pointer_t<decltype(o)>;
-      using BiasT = std::remove_pointer_t<decltype(b)>;
-      ok = p.blocksize == 32 ? forward_split<OutT, BiasT, true>(p, x, scales)
+  return typed_forward(p, [&](auto* o, auto* b, const ScaleDecoder& scales) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    using BiasT = std::remove_pointer_t<decltype(b)>;
+    return p.blocksize == 32 ? forward_split<OutT, BiasT, true>(p, x, scales)
                              : forward_split<OutT, BiasT, false>(p, x, scales);
-    });
   });
-  return ok;
 }
 
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
   if (p.grad_out_dtype != kF32 || p.k % kChunk != 0 || p.m < kSplitGradMinM) return false;  // none on k (above)
-  const ScaleDecoder scales(p.scales);
-  bool ok = false;
-  with_out_type(p.grad_input_dtype, [&](auto* o) {
+  return typed_grad(p, [&](auto* o, const ScaleDecoder& scales) {
     using OutT = std::remove_pointer_t<decltype(o)>;
-    ok = p.blocksize == 32 ? grad_split<OutT, true>(p, scales) : grad_split<OutT, false>(p, scales);
+    return p.blocksize == 32 ? grad_split<OutT, true>(p, scales) : grad_split<OutT, false>(p, scales);
   });
-  return ok;
 }
 
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
@@ -165,31 +166,40 @@ struct TileDecoder {
   }
 };
 
-// x [m, k] bf16 -> panels xp[panel][k/2][16] (dword t of row l of a panel at
-// xp[(panel * k/2 + t) * 16 + l]), t indexing the deinterleaved pairs; rows
-// past m are zero.
+// Chunk c (64 columns) of x panel `panel` into the panels at xp
+// (xp[panel][k/2][16]: dword t of row l of a panel at xp[(panel * k/2 + t) *
+// 16 + l], t indexing the deinterleaved pairs): row(r, &e, &o) gives x row
+// r's 64 bf16 of the chunk deinterleaved (deinterleave64); rows past m are
+// zero.
+template <typename Row>
+inline void pack_panel_chunk(int64_t m, int64_t k, int64_t panel, int64_t c, uint32_t* xp, Row&& row) {
+  __m512i e[16], o[16];
+  for (int l = 0; l < kPanel; ++l) {
+    const int64_t r = panel * kPanel + l;
+    if (r < m) {
+      row(r, &e[l], &o[l]);
+    } else {
+      e[l] = o[l] = _mm512_setzero_si512();
+    }
+  }
+  transpose16(e);
+  transpose16(o);
+  uint32_t* dst = xp + (panel * (k / 2) + c / 2) * kPanel;
+  for (int t = 0; t < 16; ++t) {
+    _mm512_store_si512(dst + t * 16, e[t]);
+    _mm512_store_si512(dst + (16 + t) * 16, o[t]);
+  }
+}
+
+// x [m, k] bf16 -> its panels at xp (pack_panel_chunk's layout).
 void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
   const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
   parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
-      __m512i e[16], o[16];
-      for (int l = 0; l < kPanel; ++l) {
-        const int64_t row = panel * kPanel + l;
-        if (row < m) {
-          deinterleave64(x + row * k + c, ie, io, &e[l], &o[l]);
-        } else {
-          e[l] = o[l] = _mm512_setzero_si512();
-        }
-      }
-      transpose16(e);
-      transpose16(o);
-      uint32_t* dst = xp + (panel * (k / 2) + c / 2) * kPanel;
-      for (int t = 0; t < 16; ++t) {
-        _mm512_store_si512(dst + t * 16, e[t]);
-        _mm512_store_si512(dst + (16 + t) * 16, o[t]);
-      }
+      pack_panel_chunk(m, k, panel, c, xp,
+                       [&](int64_t r, __m512i* e, __m512i* o) { deinterleave64(x + r * k + c, ie, io, e, o); });
     }
   });
 }
@@ -300,30 +310,55 @@ void with_out_type(DType dt, F&& f) {
   f(static_cast<f16_t*>(nullptr));
 }
 
+// The element types and scale decoder of a forward call: run(OutT*, BiasT*,
+// scales) with null pointers of the output and bias element types; returns
+// what run returns (true when it returns nothing).
+template <typename F>
+bool typed_forward(const Gemm4bitParams& p, F&& run) {
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
+  bool ok = true;
+  with_out_type(p.out_dtype, [&](auto* o) {
+    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) {
+      if constexpr (std::is_void_v<decltype(run(o, b, scales))>)
+        run(o, b, scales);
+      else
+        ok = run(o, b, scales);
+    });
+  });
+  return ok;
+}
+
+// The same for the input gradient: run(OutT*, scales).
+template <typename F>
+bool typed_grad(const Gemm4bitGradInputParams& p, F&& run) {
+  const ScaleDecoder scales(p.scales);
+  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  bool ok = true;
+  with_out_type(p.grad_input_dtype, [&](auto* o) {
+    if constexpr (std::is_void_v<decltype(run(o, scales))>)
+      run(o, scales);
+    else
+      ok = run(o, scales);
+  });
+  return ok;
+}
+
 // The entry of a bf16-compute forward kernel: serves bf16 x (at an even
-// address), k % 64 == 0 and m >= min_m, calling run(OutT*, BiasT*, scales)
-// with null pointers of the output and bias element types; false otherwise.
+// address), k % 64 == 0 and m >= min_m through typed_forward; false otherwise.
 template <typename F>
 bool bf16_forward(const Gemm4bitParams& p, int64_t min_m, F&& run) {
   if (p.x_dtype != kBF16 || p.k % kChunk != 0 || p.m < min_m) return false;
   if (reinterpret_cast<uintptr_t>(p.x) % 2 != 0) return false;
-  const ScaleDecoder scales(p.scales);
-  hint_fresh_output(p.out, p.m * p.n * (p.out_dtype == kF32 ? 4 : 2));
-  with_out_type(p.out_dtype, [&](auto* o) {
-    with_out_type(p.bias == nullptr ? kF32 : p.bias_dtype, [&](auto* b) { run(o, b, scales); });
-  });
-  return true;
+  return typed_forward(p, run);
 }
 
-// The same for the input gradient: run(OutT*, scales) for bf16 dY.
+// The same for the input gradient, bf16 dY.
 template <typename F>
 bool bf16_grad(const Gemm4bitGradInputParams& p, int64_t min_m, F&& run) {
   if (p.grad_out_dtype != kBF16 || p.k % kChunk != 0 || p.m < min_m) return false;
   if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
-  const ScaleDecoder scales(p.scales);
-  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
-  with_out_type(p.grad_input_dtype, [&](auto* o) { run(o, scales); });
-  return true;
+  return typed_grad(p, run);
 }
 
 }  // namespace
