@@ -57,11 +57,12 @@ def quantized_weight(rng, n: int, k: int, blocksize: int, quant_type: str, neste
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
-def check_accumulation_bound(got, a64, b64, length, out_dtype, bias=None, tiny=2.0**-149, what=""):
+def check_accumulation_bound(got, a64, b64, length, out_dtype, bias=None, tiny=2.0**-149, what="", extra=0.0):
     """got ~ a64 @ b64 (+ bias) within the fp32 accumulation bound
-    (length + 2) * (2^-24 * |a| @ |b| + tiny), plus the output dtype's rounding
-    of the result; `tiny` is the smallest magnitude the kernel keeps (2^-149 for
-    IEEE fp32, 2^-126 where the hardware flushes denormals)."""
+    (length + 2) * (2^-24 * |a| @ |b| + tiny) + extra, plus the output dtype's
+    rounding of the result; `tiny` is the smallest magnitude the kernel keeps
+    (2^-149 for IEEE fp32, 2^-126 where the hardware flushes denormals), `extra`
+    (broadcast to the output) what a kernel's contract adds to that bound."""
     import pytest
 
     with np.errstate(invalid="ignore", over="ignore"):
@@ -71,7 +72,7 @@ def check_accumulation_bound(got, a64, b64, length, out_dtype, bias=None, tiny=2
         bias64 = np.asarray(bias).astype(np.float64)
         ref = ref + bias64
         mags = mags + np.abs(bias64)
-    acc_bound = (length + 2) * (2.0**-24 * mags + tiny)
+    acc_bound = (length + 2) * (2.0**-24 * mags + tiny) + extra
     bound = acc_bound + UNIT_ROUNDOFF[out_dtype] * (np.abs(ref) + acc_bound)
     got64 = np.asarray(got).astype(np.float64)
     assert got64.shape == ref.shape, what

@@ -385,21 +385,25 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // another pair, and the two sums added once at the end (in one accumulator,
 // where the small products round against the whole, the error measured 1.8x
 // the fp32 kernels'). The tile unit reads denormal inputs as zero and
-// flushes denormal results, so the call runs here only when that cannot
-// matter: every x finite with each nonzero |x| in [2^-60, 2^60] and every
-// nonzero block scale in [2^-32, 2^32] (then each product is at least 2^-100
-// and a part product that flushes is below 2^-26 of it; no sum can overflow).
-// Otherwise -- a NaN, an infinity, a denormal or an extreme value anywhere --
-// the call returns false and the avx512 level's fp32 kernel computes it
-// (over whatever this one wrote). The blocking is the bf16 forward's with
-// three segment and panel sets, one x panel at a time, and the x blocks
-// outside the threads' split of the W tiles.
+// flushes denormal results, so each x row is first scaled by the power of
+// two 2^-E that brings its largest magnitude into [1, 2) (exact), its
+// elements below 2^-60 after scaling are dropped (an added error of at most
+// 2^-60 max|x_row| sum|w| per output), and the row's sums are scaled back by
+// 2^E at the end (one rounding, and only where the result is denormal). With
+// every nonzero block scale in [2^-32, 2^32], each kept product is then at
+// least 2^-100 and a part product that flushes is below 2^-26 of it; no sum
+// can overflow. Rows of tiny values (GELU's and SiLU's far tails, the
+// gradients through them) and of huge ones keep the split; a NaN or an
+// infinity anywhere in x, or a block scale outside that range, makes the
+// call return false, and the avx512 level's fp32 kernel computes it (over
+// whatever this one wrote). The blocking is the bf16 forward's with three
+// segment and panel sets, one x panel at a time, and the x blocks outside the
+// threads' split of the W tiles.
 constexpr int64_t kSplitMinM = 8;       // x rows from which the split path runs (measured crossover)
 constexpr int64_t kSplitGradMinM = 64;  // dY rows from which the split gradient runs (measured crossover)
 constexpr int64_t kSplitSegK = 128;     // W columns per segment: three parts of 32 rows, 24 KiB, in L1
 
-constexpr uint32_t kSplitMinX = 0x21800000u;      // 2^-60
-constexpr uint32_t kSplitMaxX = 0x5d800000u;      // 2^60
+constexpr uint32_t kSplitMinX = 0x21800000u;      // 2^-60: scaled x / dY below it are dropped
 constexpr uint32_t kSplitMinScale = 0x2f800000u;  // 2^-32
 constexpr uint32_t kSplitMaxScale = 0x4f800000u;  // 2^32
 
@@ -448,31 +452,58 @@ inline Parts split3(__m512 v) {
 // Words 0-15 = bf16 of a, 16-31 = bf16 of b (exact: the parts are bf16 values).
 inline __m512i to_bf16(__m512 a, __m512 b) { return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)); }
 
-// x [m, k] fp32 -> the panels of its three parts (part j at xp + j * stride
-// dwords, each laid out as pack_panels lays out a bf16 x). False when some x
-// is out of the split path's range.
-bool pack_panels_split(const float* x, int64_t m, int64_t k, uint32_t* xp, int64_t stride) {
-  const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
+// Per row of v [m, cols] (fp32): e[r] = E, the exponent of the row's
+// largest magnitude (in [2^E, 2^(E+1)); 0 for a row of zeros), as a float
+// for vscalefps. False when some value is a NaN or an infinity.
+bool row_exponents(const float* v, int64_t m, int64_t cols, float* e) {
   std::atomic<bool> bad{false};
+  parallel_for(m, 16, [&](int64_t r0, int64_t r1) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = v + r * cols;
+      __m512i mx = _mm512_setzero_si512();
+      int64_t c = 0;
+      for (; c + 16 <= cols; c += 16)
+        mx = _mm512_max_epu32(mx, _mm512_and_si512(_mm512_loadu_si512(row + c), magnitude));
+      if (c < cols)
+        mx = _mm512_max_epu32(
+            mx, _mm512_and_si512(_mm512_maskz_loadu_epi32(__mmask16((1u << (cols - c)) - 1), row + c), magnitude));
+      const uint32_t b = _mm512_reduce_max_epu32(mx);
+      if (b >= 0x7f800000u) bad.store(true, std::memory_order_relaxed);
+      // normal: the biased exponent; denormal (b * 2^-149): its top bit's place
+      e[r] = float(b >= 0x00800000u ? int(b >> 23) - 127 : b == 0 ? 0 : (31 - __builtin_clz(b)) - 149);
+    }
+  });
+  return !bad.load();
+}
+
+// v * 2^-e (exact), with the lanes below 2^-60 after it set to zero: a row's
+// values as the split multiplies them.
+inline __m512 scaled_row(__m512 v, __m512 neg_e) {
+  const __m512 s = _mm512_scalef_ps(v, neg_e);
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7fffffff));
+  return _mm512_maskz_mov_ps(_mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(int(kSplitMinX))), s);
+}
+
+// x [m, k] fp32 -> the panels of its three parts (part j at xp + j * stride
+// dwords, each laid out as pack_panels lays out a bf16 x), row r scaled by
+// 2^-e[r] (scaled_row).
+void pack_panels_split(const float* x, const float* e, int64_t m, int64_t k, uint32_t* xp, int64_t stride) {
+  const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
   parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
-    __mmask16 out = 0;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
       for (int part = 0; part < 3; ++part)
-        pack_panel_chunk(m, k, panel, c, xp + part * stride, [&](int64_t r, __m512i* e, __m512i* o) {
+        pack_panel_chunk(m, k, panel, c, xp + part * stride, [&](int64_t r, __m512i* ev, __m512i* ov) {
+          const __m512 neg_e = _mm512_set1_ps(-e[r]);
           __m512 v[4];
-          for (int i = 0; i < 4; ++i) {
-            v[i] = _mm512_loadu_ps(x + r * k + c + 16 * i);
-            if (part == 0) out |= out_of_range(_mm512_castps_si512(v[i]), kSplitMinX, kSplitMaxX);
-            v[i] = split3<true>(v[i]).p[part];
-          }
-          deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, e, o);
+          for (int i = 0; i < 4; ++i)
+            v[i] = split3<true>(scaled_row(_mm512_loadu_ps(x + r * k + c + 16 * i), neg_e)).p[part];
+          deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, ev, ov);
         });
     }
-    if (out != 0) bad.store(true, std::memory_order_relaxed);
   });
-  return !bad.load();
 }
 
 // The three bf16 parts of W rows [r0, r0 + rows) x columns [c0, c0 + len)
@@ -585,8 +616,11 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
   const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
   const int64_t panels = ceil_div(m, kPanel), ps = (k / 2) * kPanel, xst = panels * ps;
-  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, 3 * xst * 4);
-  if (!pack_panels_split(xf, m, k, xp, xst)) return false;
+  uint32_t* xp = scratch_as<uint32_t>(kSlotPanels, 3 * xst * 4 + panels * kPanel * 4);
+  float* xe = reinterpret_cast<float*>(xp + 3 * xst);  // row exponents, zero past m
+  std::fill(xe + m, xe + panels * kPanel, 0.0f);
+  if (!row_exponents(xf, m, k, xe)) return false;
+  pack_panels_split(xf, xe, m, k, xp, xst);
   const __m512 codes = code_table(p.quant_type);
   const int64_t block = max64(2, kXBlockBytes / (3 * ps * 4)) & ~int64_t(1);  // panels per x block
   constexpr int64_t wst = kWRows * kSplitSegK / 2;
@@ -624,10 +658,12 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
             segment_product_split(ws, wst, xp + q * ps + (c0 / 2) * kPanel, xst, len / 32, acc + (q - q0) * kWRows * 32,
                                   c0 == 0, !one, !one || last);
         }
-        for (int64_t q = q0; q < qe; ++q) {  // the two accumulators' sum, then bias and store
+        for (int64_t q = q0; q < qe; ++q) {  // the two accumulators' sum scaled back, then bias and store
           float* a = acc + (q - q0) * kWRows * 32;
+          const __m512 e = _mm512_loadu_ps(xe + q * kPanel);  // lanes = the panel's x rows
           for (int64_t i = 0; i < kWRows * 16; i += 16)
-            _mm512_store_ps(a + i, _mm512_add_ps(_mm512_load_ps(a + i), _mm512_load_ps(a + kWRows * 16 + i)));
+            _mm512_store_ps(
+                a + i, _mm512_scalef_ps(_mm512_add_ps(_mm512_load_ps(a + i), _mm512_load_ps(a + kWRows * 16 + i)), e));
         }
         for (int64_t q = q0; q < qe; q += 2)
           store_tiles<OutT, BiasT>(acc + (q - q0) * kWRows * 32, 2 * kWRows, rows, min64(2 * kPanel, m - q * kPanel), n,
@@ -645,17 +681,17 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
 // gradient's blocking: dY's three parts packed as A tiles, W's decoded as B
 // tiles; per dY group of 16 rows and pair of column groups, hi.hi into C
 // tiles 0 / 1 and the five smaller products into 2 / 3 (acc and acc2), 10
-// tile loads per 12 products. Declines (false) when a dY or a block scale is
-// out of the split range, before writing anything.
+// tile loads per 12 products. Each dY row scaled as the forward's x rows
+// are. Declines (false) when a dY is not finite or a block scale is out of
+// the split range, before writing anything.
 
 // dY [m, n] fp32 -> the packed A tiles of its three parts (part j at dyp + j *
-// stride words, each laid out as pack_dy lays out a bf16 dY). False when some
-// dY is out of range.
-bool pack_dy_split(const float* dy, int64_t m, int64_t n, int64_t steps, uint16_t* dyp, int64_t stride) {
+// stride words, each laid out as pack_dy lays out a bf16 dY), row r scaled
+// by 2^-e[r] (scaled_row).
+void pack_dy_split(const float* dy, const float* e, int64_t m, int64_t n, int64_t steps, uint16_t* dyp,
+                   int64_t stride) {
   const int64_t groups = ceil_div(m, 16);
-  std::atomic<bool> bad{false};
   parallel_for(groups * steps, 64, [&](int64_t u0, int64_t u1) {
-    __mmask16 out = 0;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / steps, c0 = (u % steps) * 32;
       const int64_t len = min64(32, n - c0);
@@ -665,19 +701,16 @@ bool pack_dy_split(const float* dy, int64_t m, int64_t n, int64_t steps, uint16_
         const int64_t row = g * 16 + l;
         __m512 v0 = _mm512_setzero_ps(), v1 = _mm512_setzero_ps();
         if (row < m) {
-          v0 = _mm512_maskz_loadu_ps(m0, dy + row * n + c0);
-          v1 = _mm512_maskz_loadu_ps(m1, dy + row * n + c0 + 16);
-          out |= out_of_range(_mm512_castps_si512(v0), kSplitMinX, kSplitMaxX) |
-                 out_of_range(_mm512_castps_si512(v1), kSplitMinX, kSplitMaxX);
+          const __m512 neg_e = _mm512_set1_ps(-e[row]);
+          v0 = scaled_row(_mm512_maskz_loadu_ps(m0, dy + row * n + c0), neg_e);
+          v1 = scaled_row(_mm512_maskz_loadu_ps(m1, dy + row * n + c0 + 16), neg_e);
         }
         const Parts p0 = split3<true>(v0), p1 = split3<true>(v1);
         for (int part = 0; part < 3; ++part)
           _mm512_store_si512(dyp + part * stride + u * 512 + l * 32, to_bf16(p0.p[part], p1.p[part]));
       }
     }
-    if (out != 0) bad.store(true, std::memory_order_relaxed);
   });
-  return !bad.load();
 }
 
 // decode_pair for the three parts: z[j] = part j.
@@ -752,8 +785,11 @@ bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   if (!scales_in_range(sc_all, n_blocks)) return false;
   const int64_t steps = ceil_div(n, 32), gs = steps * 512;  // k steps of 32 dY columns; words per dY group
   const int64_t dps = ceil_div(m, 16) * gs;                 // words per dY part
-  uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, 3 * dps * 2);
-  if (!pack_dy_split(static_cast<const float*>(p.grad_out), m, n, steps, dyp, dps)) return false;
+  uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, 3 * dps * 2 + m * 4);
+  float* ye = reinterpret_cast<float*>(dyp + 3 * dps);  // dY row exponents
+  const float* dy = static_cast<const float*>(p.grad_out);
+  if (!row_exponents(dy, m, n, ye)) return false;
+  pack_dy_split(dy, ye, m, n, steps, dyp, dps);
   const __m512 codes = code_table(p.quant_type);
   const int64_t block = max64(16, kL2Budget / (2 * kAmxStrip * 4) / 16 * 16);  // dY rows per block (two sums each)
   constexpr int64_t wst = kSegN * kAmxStrip / 2;                               // dwords per W part of a segment
@@ -782,11 +818,14 @@ bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
                                  acc2 + (r - r0) * kAmxStrip + g * 16, n0 == 0);
           }
         }
-        for (int64_t r = r0; r < re; ++r)  // the two sums' total
+        for (int64_t r = r0; r < re; ++r) {  // the two sums' total, scaled back
+          const __m512 e = _mm512_set1_ps(ye[r]);
           for (int64_t c = 0; c < halves * kStrip; c += 16) {
             float* a = acc + (r - r0) * kAmxStrip + c;
-            _mm512_store_ps(a, _mm512_add_ps(_mm512_load_ps(a), _mm512_load_ps(a + block * kAmxStrip)));
+            _mm512_store_ps(
+                a, _mm512_scalef_ps(_mm512_add_ps(_mm512_load_ps(a), _mm512_load_ps(a + block * kAmxStrip)), e));
           }
+        }
         for (int64_t r = r0; r < re; r += 32)
           for (int64_t h = 0; h < halves; ++h)
             store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip,
