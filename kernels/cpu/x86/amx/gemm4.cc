@@ -494,14 +494,14 @@ void pack_panels_split(const float* x, const float* e, int64_t m, int64_t k, uin
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
-      for (int part = 0; part < 3; ++part)
-        pack_panel_chunk(m, k, panel, c, xp + part * stride, [&](int64_t r, __m512i* ev, __m512i* ov) {
-          const __m512 neg_e = _mm512_set1_ps(-e[r]);
-          __m512 v[4];
-          for (int i = 0; i < 4; ++i)
-            v[i] = split3<true>(scaled_row(_mm512_loadu_ps(x + r * k + c + 16 * i), neg_e)).p[part];
-          deinterleave64(to_bf16(v[0], v[1]), to_bf16(v[2], v[3]), ie, io, ev, ov);
-        });
+      pack_panel_chunk<3>(m, k, panel, c, xp, stride, [&](int64_t r, int l, __m512i(*ev)[16], __m512i(*ov)[16]) {
+        const __m512 neg_e = _mm512_set1_ps(-e[r]);
+        Parts v[4];
+        for (int i = 0; i < 4; ++i) v[i] = split3<true>(scaled_row(_mm512_loadu_ps(x + r * k + c + 16 * i), neg_e));
+        for (int part = 0; part < 3; ++part)
+          deinterleave64(to_bf16(v[0].p[part], v[1].p[part]), to_bf16(v[2].p[part], v[3].p[part]), ie, io, &ev[part][l],
+                         &ov[part][l]);
+      });
     }
   });
 }

@@ -168,26 +168,29 @@ struct TileDecoder {
 
 // Chunk c (64 columns) of x panel `panel` into the panels at xp
 // (xp[panel][k/2][16]: dword t of row l of a panel at xp[(panel * k/2 + t) *
-// 16 + l], t indexing the deinterleaved pairs): row(r, &e, &o) gives x row
-// r's 64 bf16 of the chunk deinterleaved (deinterleave64); rows past m are
-// zero.
-template <typename Row>
-inline void pack_panel_chunk(int64_t m, int64_t k, int64_t panel, int64_t c, uint32_t* xp, Row&& row) {
-  __m512i e[16], o[16];
+// 16 + l], t indexing the deinterleaved pairs), for P parts of x at once
+// (part j's panels at xp + j * stride): row(r, l, e, o) sets e[j][l] and
+// o[j][l] to part j of x row r's 64 bf16 of the chunk deinterleaved
+// (deinterleave64); rows past m are zero.
+template <int P = 1, typename Row>
+inline void pack_panel_chunk(int64_t m, int64_t k, int64_t panel, int64_t c, uint32_t* xp, int64_t stride, Row&& row) {
+  __m512i e[P][16], o[P][16];
   for (int l = 0; l < kPanel; ++l) {
     const int64_t r = panel * kPanel + l;
     if (r < m) {
-      row(r, &e[l], &o[l]);
+      row(r, l, e, o);
     } else {
-      e[l] = o[l] = _mm512_setzero_si512();
+      for (int j = 0; j < P; ++j) e[j][l] = o[j][l] = _mm512_setzero_si512();
     }
   }
-  transpose16(e);
-  transpose16(o);
-  uint32_t* dst = xp + (panel * (k / 2) + c / 2) * kPanel;
-  for (int t = 0; t < 16; ++t) {
-    _mm512_store_si512(dst + t * 16, e[t]);
-    _mm512_store_si512(dst + (16 + t) * 16, o[t]);
+  for (int j = 0; j < P; ++j) {
+    transpose16(e[j]);
+    transpose16(o[j]);
+    uint32_t* dst = xp + j * stride + (panel * (k / 2) + c / 2) * kPanel;
+    for (int t = 0; t < 16; ++t) {
+      _mm512_store_si512(dst + t * 16, e[j][t]);
+      _mm512_store_si512(dst + (16 + t) * 16, o[j][t]);
+    }
   }
 }
 
@@ -198,8 +201,9 @@ void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t panel = u / chunks, c = (u % chunks) * kChunk;
-      pack_panel_chunk(m, k, panel, c, xp,
-                       [&](int64_t r, __m512i* e, __m512i* o) { deinterleave64(x + r * k + c, ie, io, e, o); });
+      pack_panel_chunk(m, k, panel, c, xp, 0, [&](int64_t r, int l, __m512i(*e)[16], __m512i(*o)[16]) {
+        deinterleave64(x + r * k + c, ie, io, &e[0][l], &o[0][l]);
+      });
     }
   });
 }
