@@ -316,6 +316,22 @@ void pack_dy(const uint16_t* dy, int64_t m, int64_t n, int64_t steps, uint16_t* 
   });
 }
 
+// The input gradients' work: (dY row block, strip) units, row-block major.
+// A block has at most `most` rows (its sums for a strip stay in the L2),
+// and fewer where the strips alone would not give each thread two units: at
+// k = 384 (a strip of 256 columns and one of 128) two threads split by
+// strips alone were one busy while the other did half as much. Rows are
+// independent, so the blocking changes no bit.
+struct GradUnits {
+  int64_t strips, block, count;
+  GradUnits(int64_t m, int64_t k, int64_t most, int64_t align) {
+    strips = ceil_div(k, kAmxStrip);
+    const int64_t blocks = ceil_div(2 * int64_t(std::max(1, cpu_num_threads())), strips);
+    block = max64(align, min64(most, ceil_div(ceil_div(m, blocks), align) * align));
+    count = ceil_div(m, block) * strips;
+  }
+};
+
 template <typename OutT, bool TWO>
 void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
@@ -329,42 +345,41 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   // dY rows per block: their sums for a strip (acc) stay in the L2 while the
   // strip's W segments pass; the packed dY rows stream from wherever they are
   // (a strip reads them once per W segment: ~4 bytes per cycle at 512 rows)
-  const int64_t block = max64(32, kL2Budget / (kAmxStrip * 4) / 32 * 32);
+  const GradUnits units(m, k, max64(32, kL2Budget / (kAmxStrip * 4) / 32 * 32), 32);
+  const int64_t block = units.block;
   OutT* out = static_cast<OutT*>(p.grad_input);
-  parallel_for(ceil_div(k, kAmxStrip), 1, [&](int64_t s0, int64_t s1) {
+  parallel_for(units.count, 1, [&](int64_t u0, int64_t u1) {
     configure_tiles();
     const __m512i half = upper_half_bit();
     const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
     // a segment of the strip's W: [kSegN / 32 steps][kAmxStrip / 16 column groups][16 pairs][16 dwords]
     uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kSegN * kAmxStrip * 2);
     float* acc = scratch_as<float>(kSlotAcc, block * kAmxStrip * 4);
-    for (int64_t r0 = 0; r0 < m; r0 += block) {
-      const int64_t re = min64(m, r0 + block);
-      for (int64_t st = s0; st < s1; ++st) {
-        // the strip's 64-column parts (fewer in the last strip when k % kAmxStrip != 0)
-        const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
-        for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
-          const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
-          decode_strip_segment<1>(rows, halves, wt, 0, [&](int64_t t, int64_t h, __m512i z[1][4]) {
-            decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
-                             n0 + 2 * t + 1 < n, half, i_lo, i_hi, z[0]);
-          });
-          for (int64_t r = r0; r < re; r += 32) {
-            const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
-            float* ac = acc + (r - r0) * kAmxStrip;
-            for (int g = 0; g < 4 * halves; g += 2) {
-              if (re - r > 16)
-                grad_product<true>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
-              else
-                grad_product<false>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
-            }
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r0 = (u / units.strips) * block, re = min64(m, r0 + block), st = u % units.strips;
+      // the strip's 64-column parts (fewer in the last strip when k % kAmxStrip != 0)
+      const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
+      for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
+        const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
+        decode_strip_segment<1>(rows, halves, wt, 0, [&](int64_t t, int64_t h, __m512i z[1][4]) {
+          decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
+                           n0 + 2 * t + 1 < n, half, i_lo, i_hi, z[0]);
+        });
+        for (int64_t r = r0; r < re; r += 32) {
+          const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
+          float* ac = acc + (r - r0) * kAmxStrip;
+          for (int g = 0; g < 4 * halves; g += 2) {
+            if (re - r > 16)
+              grad_product<true>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
+            else
+              grad_product<false>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
           }
         }
-        for (int64_t r = r0; r < re; r += 32)
-          for (int64_t h = 0; h < halves; ++h)
-            store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip,
-                              out + r * k, kAmxStrip);
       }
+      for (int64_t r = r0; r < re; r += 32)
+        for (int64_t h = 0; h < halves; ++h)
+          store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip, out + r * k,
+                            kAmxStrip);
     }
     _tile_release();
   });
@@ -791,46 +806,45 @@ bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   if (!row_exponents(dy, m, n, ye)) return false;
   pack_dy_split(dy, ye, m, n, steps, dyp, dps);
   const __m512 codes = code_table(p.quant_type);
-  const int64_t block = max64(16, kL2Budget / (2 * kAmxStrip * 4) / 16 * 16);  // dY rows per block (two sums each)
-  constexpr int64_t wst = kSegN * kAmxStrip / 2;                               // dwords per W part of a segment
+  const GradUnits units(m, k, max64(16, kL2Budget / (2 * kAmxStrip * 4) / 16 * 16), 16);  // two sums per row
+  const int64_t block = units.block;
+  constexpr int64_t wst = kSegN * kAmxStrip / 2;  // dwords per W part of a segment
   OutT* out = static_cast<OutT*>(p.grad_input);
-  parallel_for(ceil_div(k, kAmxStrip), 1, [&](int64_t s0, int64_t s1) {
+  parallel_for(units.count, 1, [&](int64_t u0, int64_t u1) {
     configure_tiles();
     const __m512i half = upper_half_bit();
     const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
     uint32_t* wt = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4);
     float* acc = scratch_as<float>(kSlotAcc, 2 * block * kAmxStrip * 4);
     float* acc2 = acc + block * kAmxStrip;
-    for (int64_t r0 = 0; r0 < m; r0 += block) {
-      const int64_t re = min64(m, r0 + block);
-      for (int64_t st = s0; st < s1; ++st) {
-        const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
-        for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
-          const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
-          decode_strip_segment<3>(rows, halves, wt, wst, [&](int64_t t, int64_t h, __m512i z[3][4]) {
-            decode_pair_split<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
-                                   n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
-          });
-          for (int64_t r = r0; r < re; r += 16) {
-            const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
-            for (int g = 0; g < 4 * halves; g += 2)
-              grad_product_split(a, dps, wt + g * 256, wst, seg_steps, acc + (r - r0) * kAmxStrip + g * 16,
-                                 acc2 + (r - r0) * kAmxStrip + g * 16, n0 == 0);
-          }
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r0 = (u / units.strips) * block, re = min64(m, r0 + block), st = u % units.strips;
+      const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
+      for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
+        const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
+        decode_strip_segment<3>(rows, halves, wt, wst, [&](int64_t t, int64_t h, __m512i z[3][4]) {
+          decode_pair_split<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
+                                 n0 + 2 * t + 1 < n, half, i_lo, i_hi, z);
+        });
+        for (int64_t r = r0; r < re; r += 16) {
+          const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
+          for (int g = 0; g < 4 * halves; g += 2)
+            grad_product_split(a, dps, wt + g * 256, wst, seg_steps, acc + (r - r0) * kAmxStrip + g * 16,
+                               acc2 + (r - r0) * kAmxStrip + g * 16, n0 == 0);
         }
-        for (int64_t r = r0; r < re; ++r) {  // the two sums' total, scaled back
-          const __m512 e = _mm512_set1_ps(ye[r]);
-          for (int64_t c = 0; c < halves * kStrip; c += 16) {
-            float* a = acc + (r - r0) * kAmxStrip + c;
-            _mm512_store_ps(
-                a, _mm512_scalef_ps(_mm512_add_ps(_mm512_load_ps(a), _mm512_load_ps(a + block * kAmxStrip)), e));
-          }
-        }
-        for (int64_t r = r0; r < re; r += 32)
-          for (int64_t h = 0; h < halves; ++h)
-            store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip,
-                              out + r * k, kAmxStrip);
       }
+      for (int64_t r = r0; r < re; ++r) {  // the two sums' total, scaled back
+        const __m512 e = _mm512_set1_ps(ye[r]);
+        for (int64_t c = 0; c < halves * kStrip; c += 16) {
+          float* a = acc + (r - r0) * kAmxStrip + c;
+          _mm512_store_ps(a,
+                          _mm512_scalef_ps(_mm512_add_ps(_mm512_load_ps(a), _mm512_load_ps(a + block * kAmxStrip)), e));
+        }
+      }
+      for (int64_t r = r0; r < re; r += 32)
+        for (int64_t h = 0; h < halves; ++h)
+          store_strip<OutT>(acc + (r - r0) * kAmxStrip + h * kStrip, min64(32, re - r), k, c0 + h * kStrip, out + r * k,
+                            kAmxStrip);
     }
     _tile_release();
   });
