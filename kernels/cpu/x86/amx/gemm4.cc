@@ -641,19 +641,21 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
   constexpr int64_t wst = kWRows * kSplitSegK / 2;
   OutT* out = static_cast<OutT*>(p.out);
   std::atomic<bool> bad{false};
-  // x blocks outside, W tiles split over the threads inside: each thread
-  // reads each x block once (with the blocks inside, every chunk of W tiles
-  // streamed all of x again: at 384 W rows, k = 1536 and 1024 x rows, 8 x
-  // 9 MiB)
-  for (int64_t q0 = 0; q0 < panels && !bad.load(std::memory_order_relaxed); q0 += block) {
-    const int64_t qe = min64(panels, q0 + block);
-    const bool one = qe - q0 == 1;  // one panel: C stays in the tile registers over all of k
-    parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
-      configure_tiles();
-      const int64_t sc_count = ((kWRows * k) >> shift) + 4;
-      uint32_t* ws = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4 + sc_count * 4);
-      float* sc = reinterpret_cast<float*>(ws + 3 * wst);
-      float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 32 * 4);
+  // One share of the W tiles per thread, and in it the x blocks outside the
+  // tiles: each thread reads each x block from the L3 once and from its L2
+  // once per tile (with the blocks inside, every chunk of W tiles streamed
+  // all of x again: at 384 W rows, k = 1536 and 1024 x rows, 8 x 9 MiB), and
+  // no thread waits for the other between x blocks.
+  const int64_t tiles = ceil_div(n, kWRows);
+  parallel_for(tiles, ceil_div(tiles, max64(1, cpu_num_threads())), [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    const int64_t sc_count = ((kWRows * k) >> shift) + 4;
+    uint32_t* ws = scratch_as<uint32_t>(kSlotRow, 3 * wst * 4 + sc_count * 4);
+    float* sc = reinterpret_cast<float*>(ws + 3 * wst);
+    float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 32 * 4);
+    for (int64_t q0 = 0; q0 < panels && !bad.load(std::memory_order_relaxed); q0 += block) {
+      const int64_t qe = min64(panels, q0 + block);
+      const bool one = qe - q0 == 1;  // one panel: C stays in the tile registers over all of k
       for (int64_t tile = t0; tile < t1; ++tile) {
         const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
         const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
@@ -684,9 +686,9 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
           store_tiles<OutT, BiasT>(acc + (q - q0) * kWRows * 32, 2 * kWRows, rows, min64(2 * kPanel, m - q * kPanel), n,
                                    r0, p.bias, out + q * kPanel * n);
       }
-      _tile_release();
-    });
-  }
+    }
+    _tile_release();
+  });
   return !bad.load();
 }
 
