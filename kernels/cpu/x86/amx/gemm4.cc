@@ -412,8 +412,8 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // infinity anywhere in x, or a block scale outside that range, makes the
 // call return false, and the avx512 level's fp32 kernel computes it (over
 // whatever this one wrote). The blocking is the bf16 forward's with three
-// segment and panel sets, one x panel at a time, and the x blocks outside the
-// threads' split of the W tiles.
+// segment and panel sets, one x panel at a time: each thread takes one share
+// of the W tiles and walks the x blocks inside it.
 constexpr int64_t kSplitMinM = 8;       // x rows from which the split path runs (measured crossover)
 constexpr int64_t kSplitGradMinM = 64;  // dY rows from which the split gradient runs (measured crossover)
 constexpr int64_t kSplitSegK = 128;     // W columns per segment: three parts of 32 rows, 24 KiB, in L1
