@@ -323,12 +323,19 @@ void pack_dy(const uint16_t* dy, int64_t m, int64_t n, int64_t steps, uint16_t* 
 // strips alone were one busy while the other did half as much. Rows are
 // independent, so the blocking changes no bit.
 struct GradUnits {
-  int64_t strips, block, count;
-  GradUnits(int64_t m, int64_t k, int64_t most, int64_t align) {
+  int64_t m, strips, block, count;
+  GradUnits(int64_t m_, int64_t k, int64_t most, int64_t align) : m(m_) {
     strips = ceil_div(k, kAmxStrip);
     const int64_t blocks = ceil_div(2 * int64_t(std::max(1, cpu_num_threads())), strips);
     block = max64(align, min64(most, ceil_div(ceil_div(m, blocks), align) * align));
     count = ceil_div(m, block) * strips;
+  }
+  struct Unit {
+    int64_t r0, re, strip;  // dY rows [r0, re), the strip's index
+  };
+  Unit operator[](int64_t u) const {
+    const int64_t r0 = (u / strips) * block;
+    return {r0, min64(m, r0 + block), u % strips};
   }
 };
 
@@ -356,7 +363,7 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kSegN * kAmxStrip * 2);
     float* acc = scratch_as<float>(kSlotAcc, block * kAmxStrip * 4);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r0 = (u / units.strips) * block, re = min64(m, r0 + block), st = u % units.strips;
+      const auto [r0, re, st] = units[u];
       // the strip's 64-column parts (fewer in the last strip when k % kAmxStrip != 0)
       const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
       for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
@@ -820,7 +827,7 @@ bool grad_split(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     float* acc = scratch_as<float>(kSlotAcc, 2 * block * kAmxStrip * 4);
     float* acc2 = acc + block * kAmxStrip;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r0 = (u / units.strips) * block, re = min64(m, r0 + block), st = u % units.strips;
+      const auto [r0, re, st] = units[u];
       const int64_t c0 = st * kAmxStrip, halves = min64(kAmxStrip / kStrip, (k - c0) / kStrip);
       for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
         const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
