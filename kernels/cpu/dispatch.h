@@ -170,6 +170,9 @@ namespace amx {
 // bf16 inputs on the tile unit (TDPBF16PS), x86/amx/gemm4.cc; returns false
 // for other input dtypes and for few x rows (the avx512_bf16 gemv runs)
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
+// the same from kRowsMinM x rows with x read in place (C in the output's
+// orientation); false below it
+bool gemm4_rows(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // batch-1 bf16 inputs through the fp32 gemv (avx512::gemm4): faster on AMX cores
 bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // fp32 / fp16 inputs from 8 rows as six bf16 part products (the fp32

@@ -102,6 +102,7 @@ cpu::KernelTable build_table(Isa isa) {
   cpu::KernelTable t;
 #if defined(__x86_64__) || defined(__i386__)
   if (isa >= kIsaAmx) {
+    t.gemm4.add("amx.gemm4_rows", cpu::amx::gemm4_rows);
     t.gemm4.add("amx.gemm4", cpu::amx::gemm4);
     t.gemm4.add("amx.gemv_f32", cpu::amx::gemv_f32);
     t.gemm4.add("amx.gemm4_split", cpu::amx::gemm4_split);

@@ -7,8 +7,12 @@ their fp32 additions differs).
 One x row (the forward) is served by the avx512 level's fp32 gemv on this
 level (faster than the bf16 gemv on these cores; the fp32 contract), fewer
 than AMX_MIN_M x / dY rows otherwise by the avx512_bf16 kernels; from
-AMX_MIN_M on by the tile kernels, whose blocking these shapes
-reach: W tiles of 32 rows (partial last tile), x panels of 16 rows (partial
+AMX_MIN_M on by the tile kernels, from ROWS_MIN_M rows (k up to ROWS_MAX_K)
+by the x-major forward (x read in place as A tiles, W decoded into VNNI B
+tiles, C in the output's orientation; whole 32-row pairs in place, the rows
+after them packed with zero rows; x blocks of L2 size, W tiles decoded in
+groups of 512 KiB), whose blocking these shapes
+reach, as the W-major forward's: W tiles of 32 rows (partial last tile), x panels of 16 rows (partial
 last panel, one or two per tile pass), x blocks of L2 size (k = 4096: 12
 panels a block), W decoded in 256-column segments, dY packed into tiles
 (rows padded to 16, their length to 32), gradient strips of 256 columns
@@ -41,10 +45,13 @@ ISA = "amx"
 pytestmark = pytest.mark.usefixtures("module_isa")
 
 AMX_MIN_M = 3  # kMinM in kernels/cpu/x86/amx/gemm4.cc
-FWD, GRAD = "amx.gemm4", "amx.grad4"
+ROWS_MIN_M, ROWS_MAX_K = 64, 3072  # kRowsMinM, kRowsMaxK there
+FWD, ROWS, GRAD = "amx.gemm4", "amx.gemm4_rows", "amx.grad4"
 
 
-def fwd_kernel(m: int) -> str:
+def fwd_kernel(m: int, k: int) -> str:
+    if m >= ROWS_MIN_M and k <= ROWS_MAX_K:
+        return ROWS
     return FWD if m >= AMX_MIN_M else "avx512_bf16.gemm4"
 
 
@@ -76,10 +83,12 @@ def grad_kernel(m: int) -> str:
 def test_forward_and_grad_match_oracle(rng, quant_type, nested, blocksize, out_dtype):
     n, k = 77, 320  # a partial W tile; n odd and not a multiple of 32 (the gradient pads)
     packed, state, w32 = make_weight(rng, n, k, blocksize, quant_type, nested)
-    for i, m in enumerate((2, 3, 8, 16, 17, 33, 64)):  # (m = 1: test_batch1_takes_the_fp32_gemv)
+    # (m = 1: test_batch1_takes_the_fp32_gemv); from 64 the x-major forward:
+    # whole 32-row pairs, a packed tail of 1, 16 and 17 rows
+    for i, m in enumerate((2, 3, 8, 16, 17, 33, 63, 64, 65, 80, 81)):
         x = bf16_input(rng, (m, k))
         bias = [None, bf16_input(rng, (n,)), (rng.standard_normal(n) * 3).astype(np.float32)][i % 3]
-        forward(x, packed, state, w32, out_dtype, bias, what=f"forward m={m}", kernel=fwd_kernel(m))
+        forward(x, packed, state, w32, out_dtype, bias, what=f"forward m={m}", kernel=fwd_kernel(m, k))
         g = bf16_input(rng, (m, n))
         grad(g, packed, state, w32, out_dtype, what=f"grad m={m}", kernel=grad_kernel(m))
 
@@ -93,13 +102,20 @@ def test_forward_and_grad_match_oracle(rng, quant_type, nested, blocksize, out_d
         (48, 96, 4160, 32),  # k not a multiple of 128; two scales per 64-element chunk
         (40, 33, 1408, 256),  # blocks straddle W rows; one W row past a tile
         (9, 1, 64, 4096),  # one output column; the gradient's single, padded pair of W rows
+        # the x-major forward: three x blocks (544 + 544 + 12 rows, the last a packed tail)
+        (1100, 70, 1408, 64),
+        (70, 200, 3072, 64),  # W tiles decoded two at a time (192 KiB each), 6 rows packed
+        (96, 48, 1024, 32),  # two scales per 64-element chunk
+        (80, 33, 2048, 4096),  # blocks straddle W rows; one W row past a tile
+        (64, 1, 64, 256),  # one output column, one k step pair
     ],
 )
 def test_blocking(rng, m, n, k, blocksize):
     packed, state, w32 = make_weight(rng, n, k, blocksize, "nf4", True)
     x = bf16_input(rng, (m, k))
-    forward(x, packed, state, w32, "bfloat16", bf16_input(rng, (n,)), what=f"forward {(m, n, k)}", kernel=FWD)
-    forward(x, packed, state, w32, "float32", None, what=f"forward {(m, n, k)} fp32 out", kernel=FWD)
+    fwd = fwd_kernel(m, k)
+    forward(x, packed, state, w32, "bfloat16", bf16_input(rng, (n,)), what=f"forward {(m, n, k)}", kernel=fwd)
+    forward(x, packed, state, w32, "float32", None, what=f"forward {(m, n, k)} fp32 out", kernel=fwd)
     g = bf16_input(rng, (m, n))
     grad(g, packed, state, w32, "float32", what=f"grad {(m, n, k)}", kernel=GRAD)
     grad(g, packed, state, w32, "float16", what=f"grad {(m, n, k)} fp16 out", kernel=GRAD)
@@ -111,10 +127,10 @@ def test_exact_cases(rng):
     for quant_type in ("nf4", "fp4"):
         packed, absmax = q4.quantize_4bit(np.eye(k, dtype=np.float32), 64, quant_type)
         state = q4.QuantState(quant_type, 64, (k, k), "float32", absmax)
-        for m in (8, 33):
+        for m in (8, 33, 64, 100):
             x = bf16_input(rng, (m, k))
             assert np.array_equal(q4.gemm_4bit(x, packed, state, out_dtype="float32"), x.astype(np.float32))
-            assert last_kernels()["gemm_4bit"] == FWD
+            assert last_kernels()["gemm_4bit"] == fwd_kernel(m, k)
             assert np.array_equal(q4.gemm_4bit_grad_input(x, packed, state), x)
             assert last_kernels()["gemm_4bit_grad_input"] == GRAD
     packed, absmax = q4.quantize_4bit(np.zeros((48, 64), np.float32), 64, "nf4")
@@ -123,15 +139,16 @@ def test_exact_cases(rng):
     assert np.array_equal(y, np.zeros((20, 48), np.float32))
 
 
-def test_nan_inf_and_denormal_inputs(rng):
+@pytest.mark.parametrize("m", [20, 70])
+def test_nan_inf_and_denormal_inputs(rng, m):
     """NaN / inf rows propagate to their outputs only; denormal inputs count
     as zero (TDPBF16PS, like vdpbf16ps, treats them so)."""
     packed, state, w32 = make_weight(rng, 40, 128, 64, "nf4", False)
-    x = bf16_input(rng, (20, 128))
+    x = bf16_input(rng, (m, 128))
     x[1, 5] = np.nan
     x[2, 7] = np.inf
     y = q4.gemm_4bit(x, packed, state, out_dtype="float32")
-    assert last_kernels()["gemm_4bit"] == FWD
+    assert last_kernels()["gemm_4bit"] == fwd_kernel(m, 128)
     assert np.isnan(y[1]).all()
     w_col = bf16_exact(w32)[:, 7]
     assert np.array_equal(np.isnan(y[2]), w_col == 0)  # inf * 0 is NaN
@@ -141,9 +158,9 @@ def test_nan_inf_and_denormal_inputs(rng):
     dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
     assert np.isnan(dx[1]).all() and np.isfinite(np.delete(dx, 1, axis=0)).all()
     big, bstate, bw32 = make_weight(rng, 40, 128, 64, "nf4", False, scale=2.0**100)
-    xd = (rng.standard_normal((9, 128)) * 1e-39).astype(np.float32).astype(BF16)
+    xd = (rng.standard_normal((m, 128)) * 1e-39).astype(np.float32).astype(BF16)
     assert np.all(np.abs(xd.astype(np.float64)) < TINY) and np.any(xd.astype(np.float64) != 0)
-    yd = forward(xd, big, bstate, bw32, "float32", what="denormal x", kernel=FWD)
+    yd = forward(xd, big, bstate, bw32, "float32", what="denormal x", kernel=fwd_kernel(m, 128))
     assert np.array_equal(yd, np.zeros_like(yd))
     gd = (rng.standard_normal((9, 40)) * 1e-39).astype(np.float32).astype(BF16)
     assert np.array_equal(q4.gemm_4bit_grad_input(gd, big, bstate, out_dtype="float32"), np.zeros((9, 128), np.float32))
@@ -151,27 +168,46 @@ def test_nan_inf_and_denormal_inputs(rng):
 
 @pytest.mark.parametrize("m", [8, 17, 40, 130])
 def test_bit_identical_across_thread_counts(rng, m):
-    check_thread_counts_agree(rng, m, 203, 1216, (FWD, GRAD))
+    check_thread_counts_agree(rng, m, 203, 1216, (fwd_kernel(m, 1216), GRAD))
+
+
+def test_x_major_rows_are_independent(rng):
+    """The x-major forward computes each output row from its x row alone, in
+    one fixed order, wherever the row sits (read in place, or in the packed
+    tail): permuting the rows permutes the output bytes, and a row computed
+    in a batch of 64 has the bytes it has in a batch of 100."""
+    n, k = 70, 640
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
+    x = bf16_input(rng, (100, k))
+    bias = bf16_input(rng, (n,))
+    y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32")
+    assert last_kernels()["gemm_4bit"] == ROWS
+    perm = rng.permutation(100)
+    assert q4.gemm_4bit(x[perm], packed, state, bias=bias, out_dtype="float32").tobytes() == y[perm].tobytes()
+    assert q4.gemm_4bit(x[36:], packed, state, bias=bias, out_dtype="float32").tobytes() == y[36:].tobytes()
+    assert last_kernels()["gemm_4bit"] == ROWS
 
 
 def test_misaligned_inputs(rng):
     """Inputs at an address that is 2 mod 4: the same bits as aligned ones."""
-    n, k, m = 64, 128, 20
+    n, k = 64, 128
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", False)
-    buf = np.zeros(m * max(n, k) * 2 + 8, np.uint8)
-    x = bf16_input(rng, (m, k))
-    xm = buf[2 : 2 + x.nbytes].view(BF16).reshape(m, k)
-    xm[...] = x
-    assert np.array_equal(q4.gemm_4bit(xm, packed, state), q4.gemm_4bit(x, packed, state))
-    g = bf16_input(rng, (m, n))
-    gm = buf[2 : 2 + g.nbytes].view(BF16).reshape(m, n)
-    gm[...] = g
-    assert np.array_equal(q4.gemm_4bit_grad_input(gm, packed, state), q4.gemm_4bit_grad_input(g, packed, state))
-    assert last_kernels()["gemm_4bit_grad_input"] == GRAD
+    for m in (20, 70):  # the W-major and the x-major forward
+        buf = np.zeros(m * max(n, k) * 2 + 8, np.uint8)
+        x = bf16_input(rng, (m, k))
+        xm = buf[2 : 2 + x.nbytes].view(BF16).reshape(m, k)
+        xm[...] = x
+        assert np.array_equal(q4.gemm_4bit(xm, packed, state), q4.gemm_4bit(x, packed, state))
+        assert last_kernels()["gemm_4bit"] == fwd_kernel(m, k)
+        g = bf16_input(rng, (m, n))
+        gm = buf[2 : 2 + g.nbytes].view(BF16).reshape(m, n)
+        gm[...] = g
+        assert np.array_equal(q4.gemm_4bit_grad_input(gm, packed, state), q4.gemm_4bit_grad_input(g, packed, state))
+        assert last_kernels()["gemm_4bit_grad_input"] == GRAD
 
 
 def test_level_reports_its_chain():
     f = q4.cpu_features()
     assert f["isa"] == "amx" and f["features"]["amx"]
-    assert f["kernels"]["gemm_4bit"][:4] == [FWD, "amx.gemv_f32", "amx.gemm4_split", "avx512_bf16.gemm4"]
+    assert f["kernels"]["gemm_4bit"][:5] == [ROWS, FWD, "amx.gemv_f32", "amx.gemm4_split", "avx512_bf16.gemm4"]
     assert f["kernels"]["gemm_4bit_grad_input"][:3] == [GRAD, "amx.grad4_split", "avx512_bf16.grad4"]

@@ -224,6 +224,226 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   });
 }
 
+// A [m, cols] bf16 -> ap[group of 16 rows][step of 32 columns][16 rows][32
+// words], zero past m and cols: the A tiles of a group, 1 KiB each, contiguous
+// (x in the x-major forward, dY in the input gradient). Read in place, a
+// tile's 16 rows are 2 cols bytes apart: from the L2 such tile loads measured
+// up to 3x slower (k = 1536), and at cols = 4096 all 16 rows fall in one L1 set.
+void pack_a_tiles(const uint16_t* a, int64_t m, int64_t cols, int64_t steps, uint16_t* ap) {
+  parallel_for(ceil_div(m, 16) * steps, 64, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / steps, c0 = (u % steps) * 32;
+      const int64_t len = min64(32, cols - c0);
+      const __mmask32 mk = len >= 32 ? ~__mmask32(0) : ((__mmask32(1) << len) - 1);
+      uint16_t* dst = ap + u * 512;
+      for (int l = 0; l < 16; ++l) {
+        const int64_t row = g * 16 + l;
+        const __m512i v = row < m ? _mm512_maskz_loadu_epi16(mk, a + row * cols + c0) : _mm512_setzero_si512();
+        _mm512_store_si512(dst + l * 32, v);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------ forward, x rows read in place
+
+// From kRowsMinM x rows the forward turns the product around: C[x row][W
+// row] = x . W^T, x's rows read in place as the A tiles (16 rows x 32 bf16,
+// the row stride 2k bytes: no packing) and W decoded into B tiles in the
+// VNNI layout ([k pair][16 W rows] dwords, 1 KiB), so that C is in the
+// output's orientation and is stored without a transpose. The transposes
+// move to W: (n / 16) (k / 32) B tiles per x block, against (m / 16) (k / 32)
+// panel halves plus (m / 16) (n / 16) C tiles above -- fewer once the rows
+// outnumber ~32 (bounded below by kRowsMinM, measured). Each k step sums the
+// pairs (2i, 2i + 1) of 32 consecutive elements, where the W-major forward
+// sums a chunk's even elements, then its odd ones: same contract, other bytes,
+// so the kernel is chosen by the row count alone (never by n: a column shard
+// keeps every output's bytes).
+constexpr int64_t kRowsMinM = 64;                  // x rows from which the x-in-place forward runs (measured crossover)
+constexpr int64_t kRowsMaxK = 3072;                // ... up to this k (beyond, the x blocks get too short: see above)
+constexpr int64_t kRowsWBytes = int64_t(1) << 19;  // B tiles of W decoded at once per thread (in L2)
+
+// W rows [r0, r0 + rows) (rows <= kWRows) x all k as B tiles at wb: k step s,
+// W row group g (rows 16g .. 16g + 15) at wb + s * 512 + g * 256 dwords, row
+// i of the tile = k pair 32s / 2 + i, dword j = (W[16g + j][32s + 2i], W[16g +
+// j][32s + 2i + 1]); rows past `rows` are zero. The chunk decode (the W-major
+// forward's, so the same bf16 values) gives each row's even and odd elements
+// in two vectors; a 16 x 16 dword transpose of each puts element pairs (4j,
+// 4j + 2) and (4j + 1, 4j + 3) of the 16 rows in vector j, and two word
+// blends make the pairs (4j, 4j + 1) and (4j + 2, 4j + 3).
+template <bool TWO>
+void decode_b_tiles(const uint8_t* packed, int64_t k, int shift, __m512 codes, const float* sc, int64_t b0, int64_t r0,
+                    int64_t rows, uint32_t* wb) {
+  const __m512i half = upper_half_bit();
+  const __mmask32 odd = 0xAAAAAAAAu;  // the high word of each dword
+  for (int64_t g = 0; g < kWRows / 16; ++g)
+    for (int64_t c = 0; c < k; c += kChunk) {
+      __m512i e[16], o[16];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = 16 * g + i;
+        if (r < rows) {
+          const uint64_t f = uint64_t((r0 + r) * k + c);
+          const int64_t b = int64_t(f >> shift) - b0;
+          const Chunk w =
+              decode_chunk<TWO>(packed + (f >> 1), chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f), half);
+          e[i] = w.hi;
+          o[i] = w.lo;
+        } else {
+          e[i] = o[i] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(e);
+      transpose16(o);
+      uint32_t* d = wb + (c / 32) * 512 + g * 256;
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {  // pairs 2j, 2j + 1 of the chunk: k step c / 32 + j / 8, tile row 2j % 16
+        uint32_t* dst = d + (j / 8) * 512 + (2 * j % 16) * 16;
+        _mm512_store_si512(dst, _mm512_mask_blend_epi16(odd, e[j], _mm512_slli_epi32(o[j], 16)));
+        _mm512_store_si512(dst + 16, _mm512_mask_blend_epi16(odd, _mm512_srli_epi32(e[j], 16), o[j]));
+      }
+    }
+}
+
+// The sums cb[i][j] (x row r + i, W row r0 + j; `rows` x `cols`) plus the bias -> out.
+template <typename OutT>
+inline void store_rows(const float* cb, const float* bias, int64_t rows, int64_t cols, int64_t n, OutT* out) {
+  if constexpr (std::is_same_v<OutT, bf16_t>) {
+    if (cols > 16) {
+      const __m512 b0 = _mm512_load_ps(bias), b1 = _mm512_load_ps(bias + 16);
+      for (int64_t i = 0; i < rows; ++i)
+        store32_bf16(out + i * n, _mm512_add_ps(_mm512_load_ps(cb + i * 32), b0),
+                     _mm512_add_ps(_mm512_load_ps(cb + i * 32 + 16), b1), int(cols));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < cols; g += 16)
+      store16<OutT>(out + i * n + g, _mm512_add_ps(_mm512_load_ps(cb + i * 32 + g), _mm512_load_ps(bias + g)),
+                    int(min64(16, cols - g)));
+}
+
+// A block's sums waiting in a C buffer for their stores, which run a few rows
+// at a time between the next block's tile products (stored all at once after
+// their block, they did not overlap the products: 1024 rows, 384 -> 1536 and
+// 1536 -> 384 took 5-8% longer).
+template <typename OutT>
+struct PendingRows {
+  const float* cb = nullptr;
+  const float* bias = nullptr;
+  int64_t rows = 0, cols = 0, n = 0, done = 0;
+  OutT* out = nullptr;
+  void store(int64_t count) {
+    count = min64(count, rows - done);
+    if (count <= 0) return;
+    store_rows<OutT>(cb + done * 32, bias, count, cols, n, out + done * n);
+    done += count;
+  }
+  void finish() { store(rows); }
+};
+
+// C tiles 0-3 = x rows 0-15 (A tiles at x0) / 16-31 (at x1; X2) x W row groups
+// 0 / 1 (B tiles at wb + s * 512 and + 256) over `steps` k steps, from zero;
+// stored to cb[x row][W row] (32 x 32 floats). x's k step s is at + s * xstep
+// words, its rows ldx bytes apart. The pending rows are stored meanwhile.
+template <bool X2, typename OutT>
+void rows_product(const uint16_t* x0, const uint16_t* x1, int64_t xstep, int64_t ldx, const uint32_t* wb, int64_t steps,
+                  float* cb, PendingRows<OutT>& pending) {
+  const int64_t per_step = ceil_div(pending.rows, steps);
+  _tile_zero(0);
+  _tile_zero(1);
+  if (X2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, wb + s * 512, 64);
+    _tile_loadd(5, wb + s * 512 + 256, 64);
+    _tile_loadd(6, x0 + s * xstep, ldx);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_dpbf16ps(1, 6, 5);
+    if (X2) {
+      _tile_loadd(7, x1 + s * xstep, ldx);
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_dpbf16ps(3, 7, 5);
+    }
+    pending.store(per_step);
+  }
+  pending.finish();
+  _tile_stored(0, cb, 128);
+  _tile_stored(1, cb + 16, 128);
+  if (X2) {
+    _tile_stored(2, cb + 16 * 32, 128);
+    _tile_stored(3, cb + 16 * 32 + 16, 128);
+  }
+}
+
+template <typename OutT, typename BiasT, bool TWO>
+void forward_rows(const Gemm4bitParams& p, const ScaleDecoder& scales) {
+  const int64_t m = p.m, n = p.n, k = p.k, steps = k / 32;
+  const int shift = log2_exact(p.blocksize);
+  const uint16_t* x = static_cast<const uint16_t*>(p.x);
+  // whole 32-row pairs are read in place; the rows after them packed into
+  // tiles padded with zero rows (a tile load reads 16 rows)
+  const int64_t full = m / 32 * 32, gs = steps * 512;  // words per packed group of 16 rows
+  uint16_t* xa = nullptr;
+  if (full < m) {
+    xa = scratch_as<uint16_t>(kSlotPanels, ceil_div(m - full, 16) * gs * 2);
+    pack_a_tiles(x + full * k, m - full, k, steps, xa);
+  }
+  const int64_t block = max64(32, kXBlockBytes / (k * 2) / 32 * 32);  // x rows per block (kept in L2 while W passes)
+  const __m512 codes = code_table(p.quant_type);
+  OutT* out = static_cast<OutT*>(p.out);
+  parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
+    configure_tiles();
+    const int64_t tb = kWRows * k / 2;                                       // dwords of one W tile's B tiles
+    const int64_t group = min64(t1 - t0, max64(1, kRowsWBytes / (tb * 4)));  // W tiles decoded at once
+    const int64_t sc_count = ((kWRows * k) >> shift) + 4;
+    uint32_t* wb = scratch_as<uint32_t>(kSlotRow, group * tb * 4 + sc_count * 4);
+    float* sc = reinterpret_cast<float*>(wb + group * tb);
+    float* cb = scratch_as<float>(kSlotAcc, (2 * 32 * 32 + group * kWRows) * 4);  // two C buffers, the bias
+    float* bias = cb + 2 * 32 * 32;
+    for (int64_t q0 = 0; q0 < m; q0 += block) {
+      const int64_t qe = min64(m, q0 + block);
+      for (int64_t ga = t0; ga < t1; ga += group) {
+        const int64_t ge = min64(t1, ga + group);
+        for (int64_t tile = ga; tile < ge; ++tile) {
+          const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
+          const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+          scales.decode(b0, b1, sc);
+          decode_b_tiles<TWO>(p.packed, k, shift, codes, sc, b0, r0, rows, wb + (tile - ga) * tb);
+          for (int64_t j = 0; j < kWRows; ++j)
+            bias[(tile - ga) * kWRows + j] = j < rows ? load_bias_as<BiasT>(p.bias, r0 + j) : 0.0f;
+        }
+        // x pairs outside, the group's W tiles inside: the pair's rows stay in
+        // L1 while the W tiles pass
+        PendingRows<OutT> pending;
+        int cur = 0;
+        for (int64_t r = q0; r < qe; r += 32)
+          for (int64_t tile = ga; tile < ge; ++tile) {
+            const int64_t r0 = tile * kWRows;
+            const uint32_t* w = wb + (tile - ga) * tb;
+            float* c = cb + cur * 1024;
+            if (r + 32 <= full) {
+              rows_product<true>(x + r * k, x + (r + 16) * k, 32, 2 * k, w, steps, c, pending);
+            } else {
+              const uint16_t* xr = xa + ((r - full) / 16) * gs;
+              if (qe - r > 16)
+                rows_product<true>(xr, xr + gs, 512, 64, w, steps, c, pending);
+              else
+                rows_product<false>(xr, nullptr, 512, 64, w, steps, c, pending);
+            }
+            pending = {
+                c, bias + (tile - ga) * kWRows, min64(32, qe - r), min64(kWRows, n - r0), n, 0, out + r * n + r0};
+            cur ^= 1;
+          }
+        pending.finish();
+      }
+    }
+    _tile_release();
+  });
+}
+
 // ------------------------------------------------------------ input gradient
 
 // A strip's W segment -- rows [n0, n0 + rows), the strip's `halves` 64-column
@@ -296,26 +516,6 @@ void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t st
   }
 }
 
-// dY [m, n] -> dyp[group of 16 rows][step of 32 n][16 rows][32 words], zero
-// past m and n: the A tiles of a group, 1 KiB each. (Read in place, a tile's
-// 16 rows are 2n bytes apart: at n = 4096 all in one L1 set.)
-void pack_dy(const uint16_t* dy, int64_t m, int64_t n, int64_t steps, uint16_t* dyp) {
-  const int64_t groups = ceil_div(m, 16);
-  parallel_for(groups * steps, 64, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t g = u / steps, c0 = (u % steps) * 32;
-      const int64_t len = min64(32, n - c0);
-      const __mmask32 mk = len >= 32 ? ~__mmask32(0) : ((__mmask32(1) << len) - 1);
-      uint16_t* dst = dyp + u * 512;
-      for (int l = 0; l < 16; ++l) {
-        const int64_t row = g * 16 + l;
-        const __m512i v = row < m ? _mm512_maskz_loadu_epi16(mk, dy + row * n + c0) : _mm512_setzero_si512();
-        _mm512_store_si512(dst + l * 32, v);
-      }
-    }
-  });
-}
-
 // The input gradients' work: (dY row block, strip) units, row-block major.
 // A block has at most `most` rows (its sums for a strip stay in the L2),
 // and fewer where the strips alone would not give each thread two units: at
@@ -345,7 +545,7 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   const int shift = log2_exact(p.blocksize);
   const int64_t steps = ceil_div(n, 32), gs = steps * 512;  // k steps of 32 dY columns; words per dY group
   uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, ceil_div(m, 16) * gs * 2);
-  pack_dy(static_cast<const uint16_t*>(p.grad_out), m, n, steps, dyp);
+  pack_a_tiles(static_cast<const uint16_t*>(p.grad_out), m, n, steps, dyp);
   // every block scale, decoded once (the strips read them with stride k)
   const float* sc_all = decode_all_scales(scales, ceil_div(n * k, p.blocksize), gemm4::kSlotPanels);
   const __m512 codes = code_table(p.quant_type);
@@ -710,7 +910,7 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
 // the split range, before writing anything.
 
 // dY [m, n] fp32 -> the packed A tiles of its three parts (part j at dyp + j *
-// stride words, each laid out as pack_dy lays out a bf16 dY), row r scaled
+// stride words, each laid out as pack_a_tiles lays out a bf16 dY), row r scaled
 // by 2^-e[r] (scaled_row).
 void pack_dy_split(const float* dy, const float* e, int64_t m, int64_t n, int64_t steps, uint16_t* dyp,
                    int64_t stride) {
@@ -871,6 +1071,16 @@ bool gemm4(const Gemm4bitParams& p, const gemm4::Scales&) {
   });
 }
 
+bool gemm4_rows(const Gemm4bitParams& p, const gemm4::Scales&) {
+  if (p.k > kRowsMaxK) return false;
+  return bf16_forward(p, kRowsMinM, [&](auto* o, auto* b, const ScaleDecoder& scales) {
+    using OutT = std::remove_pointer_t<decltype(o)>;
+    using BiasT = std::remove_pointer_t<decltype(b)>;
+    if (p.blocksize == 32) return forward_rows<OutT, BiasT, true>(p, scales);
+    forward_rows<OutT, BiasT, false>(p, scales);
+  });
+}
+
 bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales) {
   if (p.x_dtype != kBF16 || p.m != 1) return false;
   return avx512::gemm4(p, scales);
@@ -917,6 +1127,7 @@ namespace q4 {
 namespace cpu {
 namespace amx {
 bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
+bool gemm4_rows(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool gemv_f32(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool gemm4_split(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }

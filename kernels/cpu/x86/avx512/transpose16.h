@@ -9,7 +9,7 @@ namespace q4 {
 namespace cpu {
 namespace {
 
-inline void transpose16(__m512i r[16]) {
+__attribute__((always_inline)) inline void transpose16(__m512i r[16]) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
