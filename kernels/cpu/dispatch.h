@@ -18,6 +18,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 
 #include "gemm4_common.h"
 #include "q4/kernels.h"
@@ -39,12 +41,18 @@ struct Entry {
   int64_t min_m;  // int8_gemm: the caller takes this entry from this many x rows on
 };
 
-constexpr int kMaxChain = 8;
+constexpr int kMaxChain = 12;
 template <typename Fn>
 struct Chain {
   Entry<Fn> entries[kMaxChain];
   int size = 0;
-  void add(const char* name, Fn fn, int64_t min_m = 0) { entries[size++] = {name, fn, min_m}; }
+  void add(const char* name, Fn fn, int64_t min_m = 0) {
+    if (size == kMaxChain) {  // a programming error, met when the table is built at load on every CPU
+      std::fprintf(stderr, "q4: kernel chain full (kMaxChain = %d) adding %s\n", kMaxChain, name);
+      std::abort();
+    }
+    entries[size++] = {name, fn, min_m};
+  }
 };
 
 // LLM.int8 dot products (the integer part of int8_linear, contract in
@@ -178,6 +186,8 @@ bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // fp32 / fp16 inputs from 8 rows as six bf16 part products (the fp32
 // contract), when every x and block scale is in its range; false otherwise
 bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales& scales);
+// the same from 64 rows with x's parts as A tiles (C in the output's orientation)
+bool gemm4_split_rows(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // the same split for fp32 dY from 64 rows
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
