@@ -3,7 +3,7 @@ machine description and the measured bandwidth / peak figures are printed at
 the top of each and measured once per run). Each prints its tables and writes
 JSON under $Q4_BENCH_DIR (default ./bench-results).
 
-    .venv/bin/python benchmarks/run.py [kernels|matmul|layers|jax|w4a8 ...]
+    .venv/bin/python benchmarks/run.py [kernels|matmul|layers|jax|w4a8|shapes ...]
 
 This directory is repository tooling, not part of the q4 distribution: run
 it from a source checkout (q4 installed, or PYTHONPATH=. with Q4_LIBRARY set
@@ -26,6 +26,7 @@ BENCHES = {
     "layers": "layers",
     "jax": "jax_layers",
     "w4a8": "w4a8",
+    "shapes": "shapes",
 }
 
 

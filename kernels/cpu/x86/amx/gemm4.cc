@@ -42,7 +42,10 @@
 // strips are 256 columns wide (two whole lines of each row).
 //
 // Shapes served: bf16 inputs, k % 64 == 0, m >= kMinM (fewer rows take the
-// avx512_bf16 gemv); other calls return false and the next kernel runs.
+// avx512_bf16 gemv); other calls return false and the next kernel runs. From
+// kRowsMinM rows with k <= kRowsMaxK the x-major forward (gemm4_rows, below)
+// runs first: x read in place as A tiles, W decoded into B tiles, C in the
+// output's orientation.
 //
 // gemv_f32: batch-1 bf16 inputs through the avx512 level's fp32 gemv (the fp32
 // contract: W not rounded to bf16). On these cores `vdpbf16ps` issues at half
@@ -226,9 +229,9 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
 
 // A [m, cols] bf16 -> ap[group of 16 rows][step of 32 columns][16 rows][32
 // words], zero past m and cols: the A tiles of a group, 1 KiB each, contiguous
-// (x in the x-major forward, dY in the input gradient). Read in place, a
-// tile's 16 rows are 2 cols bytes apart: from the L2 such tile loads measured
-// up to 3x slower (k = 1536), and at cols = 4096 all 16 rows fall in one L1 set.
+// (dY in the input gradient: read in place its tile rows are 2n bytes apart,
+// at n = 4096 all in one L1 set; the x-major forward's rows after its last
+// whole 32-row pair, padded with zero rows).
 void pack_a_tiles(const uint16_t* a, int64_t m, int64_t cols, int64_t steps, uint16_t* ap) {
   parallel_for(ceil_div(m, 16) * steps, 64, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
