@@ -17,7 +17,8 @@ last panel, one or two per tile pass), x blocks of L2 size (k = 4096: 12
 panels a block), W decoded in 256-column segments, dY packed into tiles
 (rows padded to 16, their length to 32), gradient strips of 256 columns
 (k % 256 != 0: a narrower last strip), W decoded in 256-row segments, dY
-blocks of 1536 rows (their sums kept in L2).
+blocks of 1536 rows (their sums kept in L2), dY read in place up to 1536
+columns (whole 32-row pairs; the rest packed).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def test_forward_and_grad_match_oracle(rng, quant_type, nested, blocksize, out_d
         (96, 48, 1024, 32),  # two scales per 64-element chunk
         (80, 33, 2048, 4096),  # blocks straddle W rows; one W row past a tile
         (64, 1, 64, 256),  # one output column, one k step pair
+        # the gradient's dY read in place (n % 32 == 0, n <= 1536), the rows after the last pair packed
+        (1600, 384, 320, 64),  # two dY blocks (1536 + 64 rows)
+        (100, 1536, 256, 64),  # the widest dY read in place
+        (100, 1568, 256, 64),  # one step wider: packed
     ],
 )
 def test_blocking(rng, m, n, k, blocksize):
@@ -169,6 +174,21 @@ def test_nan_inf_and_denormal_inputs(rng, m):
 @pytest.mark.parametrize("m", [8, 17, 40, 130])
 def test_bit_identical_across_thread_counts(rng, m):
     check_thread_counts_agree(rng, m, 203, 1216, (fwd_kernel(m, 1216), GRAD))
+
+
+@pytest.mark.parametrize("n", [128, 96, 1600])  # dY read in place; in place with a 16-row tail group; packed
+def test_gradient_rows_are_independent(rng, n):
+    """Each dX row comes from its dY row alone, in one order, whether its
+    rows are read in place or packed (the rows after the last whole 32-row
+    pair): permuting or slicing the batch moves rows between the two."""
+    k = 256
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
+    g = bf16_input(rng, (100, n))
+    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
+    assert last_kernels()["gemm_4bit_grad_input"] == GRAD
+    perm = rng.permutation(100)
+    assert q4.gemm_4bit_grad_input(g[perm], packed, state, out_dtype="float32").tobytes() == dx[perm].tobytes()
+    assert q4.gemm_4bit_grad_input(g[20:], packed, state, out_dtype="float32").tobytes() == dx[20:].tobytes()
 
 
 def test_x_major_rows_are_independent(rng):

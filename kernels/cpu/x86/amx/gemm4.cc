@@ -27,9 +27,11 @@
 // overlap on this core (measured: decode alone + tile products alone = the
 // whole), so the decode is the cost to cut.
 //
-// Input gradient, dX[m, c] = sum_n dY[m, n] W[n, c]: dY is packed once into
-// A tiles ([16-row group][32-column step][16 rows][32 words], zero past m and
-// n: in place its rows would be 2n bytes apart, all in one L1 set at n = 4096).
+// Input gradient, dX[m, c] = sum_n dY[m, n] W[n, c]: dY is the A operand, read
+// in place (rows 2n bytes apart) up to kGradInPlaceN columns, packed once into
+// A tiles beyond ([16-row group][32-column step][16 rows][32 words], zero past
+// m and n: at n = 4096 its rows would all fall in one L1 set); the rows after
+// the last whole 32-row pair are always packed.
 // Threads own strips of kAmxStrip dX columns; per dY block (rows whose strip
 // sums fit kL2Budget: one block up to 1536 rows, so W is decoded once) and
 // strip, W is decoded kSegN rows at a time as interleaved row pairs
@@ -98,6 +100,7 @@ constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole
 constexpr int64_t kSegN = 256;      // gradient: W rows decoded per segment (a strip's columns: 128 KiB, in L2)
 constexpr int64_t kStripStep = kAmxStrip / 16 * 256;  // gradient: dwords per k step of a strip's W tiles
 constexpr int64_t kL2Budget = int64_t(3) << 19;       // gradient: bytes of L2 for a dY block's strip sums
+constexpr int64_t kGradInPlaceN = 1536;  // gradient: dY read in place up to this width (packed beyond: measured)
 
 // The walk of a segment decode over W rows [r0, r0 + rows) x columns [c0, c0
 // + len): asks for each row's bytes of the next segment (SEG columns wide),
@@ -229,9 +232,9 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
 
 // A [m, cols] bf16 -> ap[group of 16 rows][step of 32 columns][16 rows][32
 // words], zero past m and cols: the A tiles of a group, 1 KiB each, contiguous
-// (dY in the input gradient: read in place its tile rows are 2n bytes apart,
-// at n = 4096 all in one L1 set; the x-major forward's rows after its last
-// whole 32-row pair, padded with zero rows).
+// (dY in the input gradient beyond kGradInPlaceN columns, and in both the
+// forward and the gradient the rows after the last whole 32-row pair read in
+// place, padded with zero rows).
 void pack_a_tiles(const uint16_t* a, int64_t m, int64_t cols, int64_t steps, uint16_t* ap) {
   parallel_for(ceil_div(m, 16) * steps, 64, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
@@ -482,7 +485,8 @@ inline void decode_strip_segment(int64_t rows, int64_t halves, uint32_t* wt, int
 // from acc[r * kAmxStrip + q * 16 + lane], and is stored there. G2: both dY row
 // groups.
 template <bool G2>
-void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t steps, float* acc, bool fresh) {
+void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t steps, float* acc, bool fresh,
+                  int64_t ystep = 512, int64_t ldy = 64) {
   constexpr int64_t lda = kAmxStrip * 4;  // bytes per row of acc
   if (fresh) {
     _tile_zero(0);
@@ -502,11 +506,11 @@ void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t st
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(6, wt + s * kStripStep, 64);
     _tile_loadd(7, wt + s * kStripStep + 256, 64);
-    _tile_loadd(4, dy + s * 512, 64);
+    _tile_loadd(4, dy + s * ystep, ldy);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 4, 7);
     if (G2) {
-      _tile_loadd(5, dy + gs + s * 512, 64);
+      _tile_loadd(5, dy + gs + s * ystep, ldy);
       _tile_dpbf16ps(1, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -547,8 +551,12 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   const int64_t m = p.m, n = p.n, k = p.k;
   const int shift = log2_exact(p.blocksize);
   const int64_t steps = ceil_div(n, 32), gs = steps * 512;  // k steps of 32 dY columns; words per dY group
-  uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, ceil_div(m, 16) * gs * 2);
-  pack_a_tiles(static_cast<const uint16_t*>(p.grad_out), m, n, steps, dyp);
+  const uint16_t* dy = static_cast<const uint16_t*>(p.grad_out);
+  // up to kGradInPlaceN columns, whole 32-row pairs of dY are read in place
+  // (the rest packed): the same values in the same order, so no bit changes
+  const int64_t full = n <= kGradInPlaceN && n % 32 == 0 ? m / 32 * 32 : 0;
+  uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, ceil_div(m - full, 16) * gs * 2);
+  if (full < m) pack_a_tiles(dy + full * n, m - full, n, steps, dyp);
   // every block scale, decoded once (the strips read them with stride k)
   const float* sc_all = decode_all_scales(scales, ceil_div(n * k, p.blocksize), gemm4::kSlotPanels);
   const __m512 codes = code_table(p.quant_type);
@@ -576,8 +584,14 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
                            n0 + 2 * t + 1 < n, half, i_lo, i_hi, z[0]);
         });
         for (int64_t r = r0; r < re; r += 32) {
-          const uint16_t* a = dyp + (r / 16) * gs + (n0 / 32) * 512;
           float* ac = acc + (r - r0) * kAmxStrip;
+          if (r + 32 <= full) {
+            const uint16_t* a = dy + r * n + n0;
+            for (int g = 0; g < 4 * halves; g += 2)
+              grad_product<true>(a, 16 * n, wt + g * 256, seg_steps, ac + g * 16, n0 == 0, 32, 2 * n);
+            continue;
+          }
+          const uint16_t* a = dyp + ((r - full) / 16) * gs + (n0 / 32) * 512;
           for (int g = 0; g < 4 * halves; g += 2) {
             if (re - r > 16)
               grad_product<true>(a, gs, wt + g * 256, seg_steps, ac + g * 16, n0 == 0);
