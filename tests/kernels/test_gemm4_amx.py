@@ -231,3 +231,60 @@ def test_level_reports_its_chain():
     assert f["isa"] == "amx" and f["features"]["amx"]
     assert f["kernels"]["gemm_4bit"][:5] == [ROWS, FWD, "amx.gemv_f32", "amx.gemm4_split", "avx512_bf16.gemm4"]
     assert f["kernels"]["gemm_4bit_grad_input"][:3] == [GRAD, "amx.grad4_split", "avx512_bf16.grad4"]
+
+
+@pytest.mark.parametrize("m, n, k", [(70, 64, 320), (100, 384, 256), (20, 96, 128)])
+def test_bf16_outputs_are_the_fp32_sums_rounded_once(rng, m, n, k):
+    """Every store path (the x-major forward's rows, the W-major forward's
+    transposed tiles, the gradient's strips): a bf16 output is the fp32
+    output rounded to nearest even, bit for bit, large and small rows alike;
+    NaN stays NaN."""
+    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
+    x = bf16_input(rng, (m, k))
+    x[3, 7] = np.nan
+    x[5] *= BF16(2.0**100)
+    x[8] *= BF16(2.0**-100)
+    g = bf16_input(rng, (m, n))
+    g[4, 2] = np.nan
+    g[6] *= BF16(2.0**100)
+    g[9] *= BF16(2.0**-100)
+    for out, ref in (
+        (q4.gemm_4bit(x, packed, state, out_dtype="bfloat16"), q4.gemm_4bit(x, packed, state, out_dtype="float32")),
+        (
+            q4.gemm_4bit_grad_input(g, packed, state, out_dtype="bfloat16"),
+            q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"),
+        ),
+    ):
+        want = ref.astype(BF16)
+        nan = np.isnan(ref)
+        assert nan.any()
+        assert np.array_equal(np.isnan(out.astype(np.float32)), nan)
+        assert out[~nan].tobytes() == want[~nan].tobytes()
+
+
+@pytest.mark.parametrize("m", [20, 70])
+def test_bf16_outputs_round_ties_to_even(rng, m):
+    """W with two exact 1.0 entries per row and per column: each output is
+    the exact sum of two inputs, chosen so that many sums lie halfway between
+    two bf16 values; the bf16 outputs are those sums rounded to nearest even
+    (the forward's and the gradient's stores)."""
+    n = k = 64
+    w = np.zeros((n, k), np.float32)
+    w[np.arange(n), np.arange(n)] = 1.0
+    w[np.arange(n), (np.arange(n) + 1) % k] = 1.0
+    packed, absmax = q4.quantize_4bit(w, 64, "nf4")
+    state = q4.QuantState("nf4", 64, (n, k), "float32", absmax)
+    values = np.array([1.0, -1.0, 2.0**-8, -(2.0**-8), 3 * 2.0**-9, 1.5, 2.0**-7, 3.0], np.float32)
+    for a, width, op in ((rng.choice(values, (m, k)), k, q4.gemm_4bit), (rng.choice(values, (m, n)), n, None)):
+        a = a.astype(BF16)
+        if op is None:
+            out = q4.gemm_4bit_grad_input(a, packed, state, out_dtype="bfloat16")
+            exact = a.astype(np.float64) @ w.astype(np.float64)
+        else:
+            out = op(a, packed, state, out_dtype="bfloat16")
+            exact = a.astype(np.float64) @ w.astype(np.float64).T
+        ties = np.abs(exact.astype(BF16).astype(np.float64) - exact) == 2.0 ** (
+            np.floor(np.log2(np.abs(exact) + 1e-300)) - 8
+        )
+        assert ties.sum() > width  # many sums are halfway cases
+        assert out.tobytes() == exact.astype(np.float32).astype(BF16).tobytes()
