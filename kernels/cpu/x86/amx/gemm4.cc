@@ -263,10 +263,12 @@ void pack_a_tiles(const uint16_t* a, int64_t m, int64_t cols, int64_t steps, uin
 // outnumber ~32 (bounded below by kRowsMinM, measured). Each k step sums the
 // pairs (2i, 2i + 1) of 32 consecutive elements, where the W-major forward
 // sums a chunk's even elements, then its odd ones: same contract, other bytes,
-// so the kernel is chosen by the row count alone (never by n: a column shard
-// keeps every output's bytes).
+// so the kernel is chosen by the row count and the reduction length (never by
+// n: a column shard keeps every output's bytes). Beyond kRowsMaxK the x
+// blocks that fit the L2 get short and W's transposing decode repeats for
+// each (k = 4096: slower than the W-major kernel below 512 rows).
 constexpr int64_t kRowsMinM = 64;                  // x rows from which the x-in-place forward runs (measured crossover)
-constexpr int64_t kRowsMaxK = 3072;                // ... up to this k (beyond, the x blocks get too short: see above)
+constexpr int64_t kRowsMaxK = 3072;                // ... up to this k (measured)
 constexpr int64_t kRowsWBytes = int64_t(1) << 19;  // B tiles of W decoded at once per thread (in L2)
 
 // W rows [r0, r0 + rows) (rows <= kWRows) x all k as B tiles at wb: k step s,
@@ -351,7 +353,8 @@ struct PendingRows {
 // C tiles 0-3 = x rows 0-15 (A tiles at x0) / 16-31 (at x1; X2) x W row groups
 // 0 / 1 (B tiles at wb + s * 512 and + 256) over `steps` k steps, from zero;
 // stored to cb[x row][W row] (32 x 32 floats). x's k step s is at + s * xstep
-// words, its rows ldx bytes apart. The pending rows are stored meanwhile.
+// words, its rows ldx bytes apart. The pending rows are stored meanwhile, all
+// of them before C is stored (so cb may be the pending rows' buffer).
 template <bool X2, typename OutT>
 void rows_product(const uint16_t* x0, const uint16_t* x1, int64_t xstep, int64_t ldx, const uint32_t* wb, int64_t steps,
                   float* cb, PendingRows<OutT>& pending) {
@@ -407,8 +410,10 @@ void forward_rows(const Gemm4bitParams& p, const ScaleDecoder& scales) {
     const int64_t sc_count = ((kWRows * k) >> shift) + 4;
     uint32_t* wb = scratch_as<uint32_t>(kSlotRow, group * tb * 4 + sc_count * 4);
     float* sc = reinterpret_cast<float*>(wb + group * tb);
-    float* cb = scratch_as<float>(kSlotAcc, (2 * 32 * 32 + group * kWRows) * 4);  // two C buffers, the bias
-    float* bias = cb + 2 * 32 * 32;
+    // one C buffer: a product stores its C after it has finished the pending
+    // stores of the previous one
+    float* cb = scratch_as<float>(kSlotAcc, (32 * 32 + group * kWRows) * 4);
+    float* bias = cb + 32 * 32;  // the group's tiles' bias
     for (int64_t q0 = 0; q0 < m; q0 += block) {
       const int64_t qe = min64(m, q0 + block);
       for (int64_t ga = t0; ga < t1; ga += group) {
@@ -424,12 +429,11 @@ void forward_rows(const Gemm4bitParams& p, const ScaleDecoder& scales) {
         // x pairs outside, the group's W tiles inside: the pair's rows stay in
         // L1 while the W tiles pass
         PendingRows<OutT> pending;
-        int cur = 0;
         for (int64_t r = q0; r < qe; r += 32)
           for (int64_t tile = ga; tile < ge; ++tile) {
             const int64_t r0 = tile * kWRows;
             const uint32_t* w = wb + (tile - ga) * tb;
-            float* c = cb + cur * 1024;
+            float* c = cb;
             if (r + 32 <= full) {
               rows_product<true>(x + r * k, x + (r + 16) * k, 32, 2 * k, w, steps, c, pending);
             } else {
@@ -441,7 +445,6 @@ void forward_rows(const Gemm4bitParams& p, const ScaleDecoder& scales) {
             }
             pending = {
                 c, bias + (tile - ga) * kWRows, min64(32, qe - r), min64(kWRows, n - r0), n, 0, out + r * n + r0};
-            cur ^= 1;
           }
         pending.finish();
       }
@@ -474,16 +477,13 @@ inline void decode_strip_segment(int64_t rows, int64_t halves, uint32_t* wt, int
   }
 }
 
-// C tiles 0-3 = dY rows 0-15 / 16-31 (A tiles at dy, row stride ldy bytes) x
-// column groups g, g + 1 of the strip (B tiles at wt + q * 256 dwords, k step
-// s at + s * 1024), over `steps` steps of 16 W row pairs; stored to acc[r *
-// kStrip + q * 16 + lane]. G2: both dY row groups.
-// C tiles 0-3 = dY rows 0-15 / 16-31 (A tiles: packed groups at dy and dy +
-// gs, k step s at + s * 512 words) x column groups g, g + 1 of the strip (B
-// tiles at wt + q * 256 dwords, k step s at + s * kAmxStrip * 16) += their
-// products over `steps` steps of 16 W row pairs; C starts at zero (fresh) or
-// from acc[r * kAmxStrip + q * 16 + lane], and is stored there. G2: both dY row
-// groups.
+// C tiles 0-3 = dY rows 0-15 / 16-31 (A tiles: the groups at dy and dy + gs
+// words, k step s at + s * ystep words, rows ldy bytes apart: packed groups
+// by default, dY's rows in place with ystep 32, ldy 2n) x column groups g, g
+// + 1 of the strip (B tiles at wt + q * 256 dwords, k step s at + s *
+// kAmxStrip * 16) += their products over `steps` steps of 16 W row pairs; C
+// starts at zero (fresh) or from acc[r * kAmxStrip + q * 16 + lane], and is
+// stored there. G2: both dY row groups.
 template <bool G2>
 void grad_product(const uint16_t* dy, int64_t gs, const uint32_t* wt, int64_t steps, float* acc, bool fresh,
                   int64_t ystep = 512, int64_t ldy = 64) {
