@@ -186,8 +186,6 @@ bool gemv_f32(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // fp32 / fp16 inputs from 8 rows as six bf16 part products (the fp32
 // contract), when every x and block scale is in its range; false otherwise
 bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales& scales);
-// the same from 64 rows with x's parts as A tiles (C in the output's orientation)
-bool gemm4_split_rows(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // the same split for fp32 dY from 64 rows
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);

@@ -316,15 +316,6 @@ void decode_b_tiles(const uint8_t* packed, int64_t k, int shift, __m512 codes, c
 // The sums cb[i][j] (x row r + i, W row r0 + j; `rows` x `cols`) plus the bias -> out.
 template <typename OutT>
 inline void store_rows(const float* cb, const float* bias, int64_t rows, int64_t cols, int64_t n, OutT* out) {
-  if constexpr (std::is_same_v<OutT, bf16_t>) {
-    if (cols > 16) {
-      const __m512 b0 = _mm512_load_ps(bias), b1 = _mm512_load_ps(bias + 16);
-      for (int64_t i = 0; i < rows; ++i)
-        store32_bf16(out + i * n, _mm512_add_ps(_mm512_load_ps(cb + i * 32), b0),
-                     _mm512_add_ps(_mm512_load_ps(cb + i * 32 + 16), b1), int(cols));
-      return;
-    }
-  }
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t g = 0; g < cols; g += 16)
       store16<OutT>(out + i * n + g, _mm512_add_ps(_mm512_load_ps(cb + i * 32 + g), _mm512_load_ps(bias + g)),
