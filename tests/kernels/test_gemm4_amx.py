@@ -176,36 +176,39 @@ def test_bit_identical_across_thread_counts(rng, m):
     check_thread_counts_agree(rng, m, 203, 1216, (fwd_kernel(m, 1216), GRAD))
 
 
+def check_rows_independent(rng, call, a, cut, op, kernel):
+    """call(a) computes each output row from its row of a alone, in one
+    order, wherever the row sits (read in place, or in the packed rows after
+    the last whole 32-row pair): permuting the rows permutes the output
+    bytes, and the rows from `cut` on have the same bytes in a shorter batch;
+    `kernel` ran op each time."""
+
+    def run(b):
+        out = call(b)
+        assert last_kernels()[op] == kernel, len(b)
+        return out
+
+    y = run(a)
+    perm = rng.permutation(len(a))
+    assert run(a[perm]).tobytes() == y[perm].tobytes()
+    assert run(a[cut:]).tobytes() == y[cut:].tobytes()
+
+
 @pytest.mark.parametrize("n", [128, 96, 1600])  # dY read in place; in place with a 16-row tail group; packed
 def test_gradient_rows_are_independent(rng, n):
-    """Each dX row comes from its dY row alone, in one order, whether its
-    rows are read in place or packed (the rows after the last whole 32-row
-    pair): permuting or slicing the batch moves rows between the two."""
-    k = 256
-    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
-    g = bf16_input(rng, (100, n))
-    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")
-    assert last_kernels()["gemm_4bit_grad_input"] == GRAD
-    perm = rng.permutation(100)
-    assert q4.gemm_4bit_grad_input(g[perm], packed, state, out_dtype="float32").tobytes() == dx[perm].tobytes()
-    assert q4.gemm_4bit_grad_input(g[20:], packed, state, out_dtype="float32").tobytes() == dx[20:].tobytes()
+    packed, state, _ = make_weight(rng, n, 256, 64, "nf4", True)
+    call = lambda g: q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32")  # noqa: E731
+    check_rows_independent(rng, call, bf16_input(rng, (100, n)), 20, "gemm_4bit_grad_input", GRAD)
 
 
 def test_x_major_rows_are_independent(rng):
-    """The x-major forward computes each output row from its x row alone, in
-    one fixed order, wherever the row sits (read in place, or in the packed
-    tail): permuting the rows permutes the output bytes, and a row computed
-    in a batch of 64 has the bytes it has in a batch of 100."""
+    """The x-major forward; a row computed in a batch of 64 has the bytes it
+    has in a batch of 100."""
     n, k = 70, 640
     packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
-    x = bf16_input(rng, (100, k))
     bias = bf16_input(rng, (n,))
-    y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32")
-    assert last_kernels()["gemm_4bit"] == ROWS
-    perm = rng.permutation(100)
-    assert q4.gemm_4bit(x[perm], packed, state, bias=bias, out_dtype="float32").tobytes() == y[perm].tobytes()
-    assert q4.gemm_4bit(x[36:], packed, state, bias=bias, out_dtype="float32").tobytes() == y[36:].tobytes()
-    assert last_kernels()["gemm_4bit"] == ROWS
+    call = lambda x: q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32")  # noqa: E731
+    check_rows_independent(rng, call, bf16_input(rng, (100, k)), 36, "gemm_4bit", ROWS)
 
 
 def test_misaligned_inputs(rng):
@@ -275,14 +278,14 @@ def test_bf16_outputs_round_ties_to_even(rng, m):
     packed, absmax = q4.quantize_4bit(w, 64, "nf4")
     state = q4.QuantState("nf4", 64, (n, k), "float32", absmax)
     values = np.array([1.0, -1.0, 2.0**-8, -(2.0**-8), 3 * 2.0**-9, 1.5, 2.0**-7, 3.0], np.float32)
-    for a, width, op in ((rng.choice(values, (m, k)), k, q4.gemm_4bit), (rng.choice(values, (m, n)), n, None)):
-        a = a.astype(BF16)
-        if op is None:
-            out = q4.gemm_4bit_grad_input(a, packed, state, out_dtype="bfloat16")
-            exact = a.astype(np.float64) @ w.astype(np.float64)
-        else:
-            out = op(a, packed, state, out_dtype="bfloat16")
-            exact = a.astype(np.float64) @ w.astype(np.float64).T
+    w64 = w.astype(np.float64)
+    cases = (  # (input, its width, the kernel call, the exact product)
+        (rng.choice(values, (m, k)).astype(BF16), k, q4.gemm_4bit, lambda a: a.astype(np.float64) @ w64.T),
+        (rng.choice(values, (m, n)).astype(BF16), n, q4.gemm_4bit_grad_input, lambda a: a.astype(np.float64) @ w64),
+    )
+    for a, width, call, product in cases:
+        out = call(a, packed, state, out_dtype="bfloat16")
+        exact = product(a)
         ties = np.abs(exact.astype(BF16).astype(np.float64) - exact) == 2.0 ** (
             np.floor(np.log2(np.abs(exact) + 1e-300)) - 8
         )
