@@ -685,17 +685,20 @@ def _plain(t) -> bool:
     return tp is torch.Tensor or getattr(tp, "__torch_function__", None) is torch._C._disabled_torch_function_impl
 
 
-def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None, records: bool = False) -> bool:
     """Whether matmul_4bit may call the CPU kernel directly rather than through
     the q4::gemm_4bit op: eager mode, plain CPU tensors, nothing recording
     (no autograd graph, no tracing, no torch function or dispatch mode). The
     result is the op's, byte for byte (the same kernel with the same
     arguments); what is skipped is the dispatcher's per-call cost, which at
-    batch 1 is a tenth of the whole call."""
+    batch 1 is a tenth of the whole call. records=True also allows an
+    autograd graph (A or the bias requiring grad) outside functorch's
+    transforms: the caller records it itself (ops.EagerGemm4bit)."""
     if type(A) is not torch.Tensor or not A.is_cpu or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
+        if not records or torch._C._functorch.is_functorch_wrapped_tensor(A):
+            return False
     if bias is not None and (not _plain(bias) or not bias.is_cpu):  # (a layer's bias: an nn.Parameter)
         return False
     return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
@@ -708,8 +711,11 @@ def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tenso
     a QuantState of a 2-D [N, K] weight whose K is A's last dimension, a
     non-empty A, a contiguous CPU B. activation_quant is already checked.
     Linear4bit.forward calls it directly: at batch 1 on a small layer the
-    Python around the kernel is most of the call."""
-    if not isinstance(quant_state, QuantState) or not _eager_cpu(A, bias):
+    Python around the kernel is most of the call. Where A or the bias
+    requires grad, ops.EagerGemm4bit records the op's autograd (same kernels,
+    same saved tensors) without the op's dispatch: in a training step of a
+    small layer that dispatch cost more than the kernels."""
+    if not isinstance(quant_state, QuantState) or not _eager_cpu(A, bias, records=True):
         return None
     shape = quant_state.shape
     # (a mismatch: an error, or the [K, N] orientation, in the general path)
@@ -721,7 +727,15 @@ def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tenso
             return None
         n, k, scales = _prepared_args(quant_state, B)
         bs, qt = int(quant_state.blocksize), quant_state.quant_type
-        return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
+        if not torch.is_grad_enabled() or not (A.requires_grad or (bias is not None and bias.requires_grad)):
+            return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
+        packed = (B if B.dtype == torch.uint8 else B.view(torch.uint8)).reshape(-1)
+        nested = quant_state.nested
+        absmax, state2, offset = quant_state.absmax, quant_state.state2, quant_state.offset
+        nested_absmax, nested_offset = (state2.absmax, offset) if nested else (None, None)
+    return ops.EagerGemm4bit.apply(
+        A, packed, absmax, nested_absmax, nested_offset, bias, n, k, scales, bs, qt, activation_quant
+    )
 
 
 def matmul_4bit(

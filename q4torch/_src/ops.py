@@ -403,6 +403,17 @@ def gemm_4bit_grad_input(
     quant_type: str,
 ) -> torch.Tensor:
     """dx[..., k] = grad_out[..., n] . dequantize(W), W never materialised."""
+    return gemm_4bit_grad_input_call(
+        grad_out, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type
+    )
+
+
+def gemm_4bit_grad_input_call(
+    grad_out, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type
+) -> torch.Tensor:
+    """q4::gemm_4bit_grad_input's work: the checks, the result and the kernel
+    call (CPU, or CUDA on grad_out's stream). The eager backward
+    (EagerGemm4bit) calls it directly."""
     gcode = dtype_code(grad_out.dtype, "grad_out")
     if grad_out.shape[-1] != n:
         raise ValueError(f"grad_out has {grad_out.shape[-1]} features, the weight has {n} outputs")
@@ -444,18 +455,61 @@ def _gemm_setup_context(ctx, inputs, output):
 
 
 def _gemm_backward(ctx, grad):
+    return _gemm_grads(ctx, grad, gemm_4bit_grad_input, 9)
+
+
+def _gemm_grads(ctx, grad, grad_input, bias_index: int) -> tuple:
+    """The gradients of a gemm_4bit / gemm_4bit_w4a8 call: of x (the input
+    gradient kernel, called through grad_input) and of the bias (at input
+    bias_index), None for every other input. The weight comes from the
+    tensors saved by the forward (packed, absmax, nested_absmax,
+    nested_offset) and the shape from ctx.meta."""
     packed, absmax, nested_absmax, nested_offset = ctx.saved_tensors
     n, k, blocksize, quant_type, bias_dtype = ctx.meta
-    grad_x = grad_bias = None
+    grads = [None] * len(ctx.needs_input_grad)
     if ctx.needs_input_grad[0]:
-        grad_x = gemm_4bit_grad_input(grad, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
-    if bias_dtype is not None and ctx.needs_input_grad[9]:
-        grad_bias = grad.reshape(-1, n).sum(0, dtype=torch.float32).to(bias_dtype)
-    return grad_x, None, None, None, None, None, None, None, None, grad_bias
+        grads[0] = grad_input(grad, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+    if bias_dtype is not None and ctx.needs_input_grad[bias_index]:
+        grads[bias_index] = grad.reshape(-1, n).sum(0, dtype=torch.float32).to(bias_dtype)
+    return tuple(grads)
 
 
 gemm_4bit.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
 gemm_4bit_w4a8.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
+
+
+class EagerGemm4bit(torch.autograd.Function):
+    """q4::gemm_4bit (activation_quant=None) or q4::gemm_4bit_w4a8 ('int8')
+    with its autograd, for eager CPU calls that record a graph: the same
+    kernels with the same arguments (so the same bytes, forward and
+    backward) and the same saved tensors as the op's autograd, without the
+    custom op's dispatch (~50-100 us a call in Python, more than the kernel
+    on a small layer). functional.matmul_4bit takes it under the conditions
+    of functional._eager_cpu; the backward calls the op instead when it is
+    being traced (compiled autograd) or runs under a dispatch mode.
+
+    apply(x, packed, absmax, nested_absmax, nested_offset, bias, n, k,
+    scales, blocksize, quant_type, activation_quant): packed flat uint8;
+    scales the forward's validated C ABI arguments (weight_args) -- the
+    backward validates its own from the saved tensors, never reusing
+    pointers across a recompute."""
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, nested_absmax, nested_offset, bias, n, k, scales, blocksize, quant_type, aq):
+        ctx.save_for_backward(packed, absmax, nested_absmax, nested_offset)
+        ctx.meta = (n, k, blocksize, quant_type, None if bias is None else bias.dtype)
+        return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias, aq)
+
+    @staticmethod
+    def backward(ctx, grad):
+        direct = (
+            type(grad) is torch.Tensor
+            and grad.is_cpu
+            and not torch.compiler.is_compiling()
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._len_torch_dispatch_stack() == 0
+        )
+        return _gemm_grads(ctx, grad, gemm_4bit_grad_input_call if direct else gemm_4bit_grad_input, 5)
 
 
 # ------------------------------------------------------------------ LLM.int8

@@ -90,13 +90,82 @@ def test_direct_call_under_no_grad_and_without_grad_inputs(rng, op_calls):
     assert torch.equal(a, _op(x, packed, qs)) and torch.equal(b, a)
 
 
-def test_grad_and_modes_take_the_op(rng, op_calls):
+def _op_with_grads(x, packed, qs, bias, g, activation_quant=None):
+    """The op's forward and gradients (x, bias) through its own autograd."""
+    n, k = qs.shape
+    op = torch.ops.q4.gemm_4bit if activation_quant is None else torch.ops.q4.gemm_4bit_w4a8
+    xr = x.detach().clone().requires_grad_(True)
+    br = None if bias is None else bias.detach().clone().requires_grad_(bias.requires_grad)
+    nested = qs.nested
+    flat = packed.view(torch.uint8).reshape(-1)
+    y = op(
+        xr,
+        flat,
+        qs.absmax,
+        qs.state2.absmax if nested else None,
+        qs.offset if nested else None,
+        n,
+        k,
+        qs.blocksize,
+        qs.quant_type,
+        br,
+    )
+    assert type(y.grad_fn).__name__ != "EagerGemm4bitBackward"
+    y.backward(g)
+    return y.detach(), xr.grad, None if br is None else br.grad
+
+
+@pytest.fixture
+def grad_op_calls(monkeypatch):
+    """Counts calls of the q4::gemm_4bit_grad_input op made by the backward."""
+    return _count_calls(monkeypatch, "gemm_4bit_grad_input")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+@pytest.mark.parametrize("bias_grad", [None, False, True], ids=["no-bias", "frozen-bias", "bias-grad"])
+@pytest.mark.parametrize("activation_quant", [None, "int8"])
+def test_recording_call_gives_the_op_bytes_and_gradients(
+    rng, op_calls, grad_op_calls, dtype, nested, bias_grad, activation_quant
+):
+    """With x (or the bias) requiring grad, an eager CPU call records its own
+    autograd node (ops.EagerGemm4bit) instead of dispatching the op: the
+    output, dX and dBias are the op's, bit for bit, and neither op runs."""
+    packed, qs = _weight(rng, nested=nested)
+    x = torch.from_numpy(inputs.make(rng, (2, 3, 256), "float32")).to(dtype)
+    bias = None
+    if bias_grad is not None:
+        bias = torch.from_numpy(inputs.make(rng, (64,), "float32")).to(dtype).requires_grad_(bias_grad)
+    g = torch.from_numpy(inputs.make(rng, (2, 3, 64), "float32")).to(dtype)
+    want_y, want_dx, want_db = _op_with_grads(x, packed, qs, bias, g, activation_quant)
+    op_calls.clear(), grad_op_calls.clear()
+    xg = x.clone().requires_grad_(True)
+    y = F.matmul_4bit(xg, packed.t(), qs, bias=bias, activation_quant=activation_quant)
+    assert type(y.grad_fn).__name__ == "EagerGemm4bitBackward"
+    y.backward(g)
+    assert op_calls == [] and grad_op_calls == [], "an op was dispatched"
+    assert torch.equal(y.detach(), want_y)
+    assert xg.grad.dtype == dtype and torch.equal(xg.grad, want_dx)
+    if bias_grad:
+        assert bias.grad.dtype == dtype and torch.equal(bias.grad, want_db)
+    elif bias is not None:
+        assert bias.grad is None
+    # only the bias requires grad: dX is not computed
+    if bias_grad:
+        bias.grad = None
+        F.matmul_4bit(x, packed.t(), qs, bias=bias, activation_quant=activation_quant).backward(g)
+        assert grad_op_calls == [] and torch.equal(bias.grad, want_db)
+
+
+def test_modes_and_transforms_take_the_op(rng, op_calls, grad_op_calls):
+    """A dispatch mode sees q4.gemm_4bit (forward) and q4.gemm_4bit_grad_input
+    (a backward run under it); functorch's transforms take the op (which
+    refuses them: one error, whichever path a call would take)."""
     packed, qs = _weight(rng)
-    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).requires_grad_(True)
-    y = F.matmul_4bit(x, packed.t(), qs)
-    assert len(op_calls) == 1 and y.requires_grad
-    y.sum().backward()
-    assert x.grad is not None
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
+    xg = x.clone().requires_grad_(True)
+    F.matmul_4bit(xg, packed.t(), qs).sum().backward()
+    assert op_calls == [] and grad_op_calls == []
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -107,14 +176,34 @@ def test_grad_and_modes_take_the_op(rng, op_calls):
             seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    with torch.inference_mode(), Record():
-        F.matmul_4bit(x.detach(), packed.t(), qs)
-    assert len(op_calls) == 2 and any("q4.gemm_4bit" in s for s in seen)
+    with Record():
+        F.matmul_4bit(x.clone().requires_grad_(True), packed.t(), qs)
+    assert len(op_calls) == 1 and any("q4.gemm_4bit" in s for s in seen)
+    # the direct call's backward under a dispatch mode: the op, seen by the mode
+    seen.clear()
+    y2 = F.matmul_4bit(x.clone().requires_grad_(True), packed.t(), qs)
+    with Record():
+        y2.sum().backward()
+    assert len(grad_op_calls) == 1 and any("q4.gemm_4bit_grad_input" in s for s in seen)
 
-    # a bias that requires grad needs the autograd graph too
-    bias = torch.zeros(64, requires_grad=True)
-    F.matmul_4bit(x.detach(), packed.t(), qs, bias=bias).sum().backward()
-    assert len(op_calls) == 3 and bias.grad is not None
+    # functorch's transforms: the op (which does not support them: its error, not the direct call's)
+    with pytest.raises(RuntimeError, match="functorch"):
+        torch.func.grad(lambda t: F.matmul_4bit(t, packed.t(), qs).sum())(x)
+    assert len(op_calls) == 2
+
+
+def test_recording_call_saves_the_weight_for_backward(rng):
+    """The direct call's node saves the weight's tensors as the op's does: a
+    weight changed in place between forward and backward is an error, not a
+    silently wrong gradient."""
+    packed, qs = _weight(rng)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).requires_grad_(True)
+    y = F.matmul_4bit(x, packed.t(), qs)
+    assert type(y.grad_fn).__name__ == "EagerGemm4bitBackward"
+    with torch.no_grad():
+        packed.view(torch.uint8).add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def _fresh_equal(x, packed, qs):
@@ -200,10 +289,10 @@ def test_layer_in_eval_inference_mode_equals_the_op(rng, op_calls):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_layer_bias_parameter_takes_the_direct_call_only_without_grad(rng, op_calls, mode):
+def test_layer_bias_parameter_takes_the_direct_call(rng, op_calls, mode):
     """A layer whose bias needs no conversion passes its nn.Parameter as it
-    is: the direct call takes it (the same bytes as the op) unless autograd
-    needs the bias' gradient."""
+    is: the direct call takes it (the same bytes as the op) in every mode,
+    recording its own node when autograd needs the bias' gradient."""
     layer = Linear4bit(256, 64, bias=True, quant_type="nf4", compress_statistics=True)
     layer.weight.data = torch.from_numpy(inputs.make(rng, (64, 256), "float32"))
     layer = layer.to("cpu").eval()
@@ -211,10 +300,13 @@ def test_layer_bias_parameter_takes_the_direct_call_only_without_grad(rng, op_ca
     x = torch.from_numpy(inputs.make(rng, (3, 256), "float32"))
     with MODES[mode]():
         got = layer(x)
-    assert len(op_calls) == (1 if mode == "grad" else 0)
+    assert op_calls == []
     assert got.requires_grad == (mode == "grad")
     packed, qs = layer.packed_weight()
     assert torch.equal(got.detach(), _op(x, packed, qs, layer.bias.detach()))
+    if mode == "grad":
+        got.sum().backward()
+        assert torch.equal(layer.bias.grad, torch.full((64,), 3.0))
 
 
 def test_inference_tensors_changed_in_place_are_seen(rng):

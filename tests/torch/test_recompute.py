@@ -16,6 +16,7 @@ import torch
 from reference import inputs
 from torch.utils.checkpoint import checkpoint
 
+from q4torch import functional as F
 from q4torch._src import ops
 from q4torch.nn import Linear4bit, Params4bit
 
@@ -81,12 +82,34 @@ def _grad(layers, upstream, x, reentrant, layer_fn=None):
     return upstream.grad.clone()
 
 
+def _node_names(node) -> set:
+    """The class names of an autograd graph's nodes."""
+    names, todo = set(), [node]
+    while todo:
+        node = todo.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.fixture(params=["direct", "op"])
+def path(request, monkeypatch):
+    """The layers' two autograd paths: eager CPU calls record their own node
+    (ops.EagerGemm4bit); with the direct call turned off, the q4::gemm_4bit
+    op's autograd. Both save the weight with save_for_backward."""
+    if request.param == "op":
+        monkeypatch.setattr(F, "_eager_matmul_4bit", lambda *args: None)
+    return "EagerGemm4bitBackward" if request.param == "direct" else "GeneratedBackwardFor_q4_gemm_4bit_defaultBackward"
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("pool_size", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_streamed_gradients_bit_identical(rng, reentrant, pool_size, dtype):
+def test_streamed_gradients_bit_identical(rng, reentrant, pool_size, dtype, path):
     x = torch.from_numpy(inputs.make(rng, (4, WIDTH), "float32")).to(dtype)
     layers, upstream = _model(rng, dtype)
+    assert path in _node_names(layers[0](x * upstream).grad_fn)
     owned = _grad(layers, upstream, x, reentrant)
     _stream(layers, pool_size)
     streamed = _grad(layers, upstream, x, reentrant)
@@ -136,7 +159,7 @@ class _WeightOnCtx(torch.autograd.Function):
         return ops.gemm_4bit_grad_input(grad, packed, ctx.quant_state.absmax, None, None, n, k, 64, "nf4"), None, None
 
 
-def test_harness_catches_weight_kept_on_ctx(rng):
+def test_harness_catches_weight_kept_on_ctx(rng, path):
     """Under non-reentrant checkpointing the backward runs on the first forward's
     autograd nodes with recomputed saved tensors; a weight kept on ctx is the
     first forward's buffer, which the pool has since refilled."""
