@@ -864,8 +864,11 @@ def int8_linear(
     """LLM.int8 linear through the fused kernel, differentiable in A and bias:
     y ~= A . (CB * SCB / 127)^T (+ bias); input columns with any |A| >= threshold
     (threshold > 0) go through fp32 unquantized."""
-    if _eager_cpu(A, bias) and _plain(CB) and _plain(SCB) and CB.is_cpu and SCB.is_cpu:
-        return ops.int8_linear_call(A, CB, SCB, float(threshold), bias)  # the op's bytes, without the dispatcher
+    if _eager_cpu(A, bias, records=True) and _plain(CB) and _plain(SCB) and CB.is_cpu and SCB.is_cpu:
+        # the op's bytes, without the dispatcher (recording the op's autograd itself where needed)
+        if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+            return ops.EagerInt8Linear.apply(A, CB, SCB, float(threshold), bias)
+        return ops.int8_linear_call(A, CB, SCB, float(threshold), bias)
     return ops.int8_linear(A, CB, SCB, float(threshold), bias)
 
 

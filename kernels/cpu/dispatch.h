@@ -113,12 +113,17 @@ struct Int8Grad {
   DType dx_dtype;
 };
 using Int8GradFn = bool (*)(const Int8Grad& a);
+// An LLM.int8 input gradient kernel of another contract, given the call as it
+// is (dY in its own dtype): the bf16-compute contract for bf16 dY
+// (x86/amx/gemm4.cc). Runs before the int8_grad chain; false: not served.
+using Int8GradInputFn = bool (*)(const Int8GradInputParams& p);
 
 struct KernelTable {
   Chain<Gemm4Fn> gemm4;
   Chain<Grad4Fn> grad4;
   Chain<Gemm4Fn> w4a8;  // gemm_4bit_w4a8 (contract in q4/w4a8.h)
   Chain<Int8GradFn> int8_grad;
+  Chain<Int8GradInputFn> int8_grad_bf16;
   Chain<Int8DotsFn> int8_dots;
   Chain<Int8GemmFn> int8_gemm;
 };
@@ -189,6 +194,9 @@ bool gemm4_split(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // the same split for fp32 dY from 64 rows
 bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+// LLM.int8 input gradient for bf16 dY (the bf16-compute contract, on
+// TDPBF16PS) from 3 dY rows with k % 64 == 0; false otherwise
+bool int8_grad(const Int8GradInputParams& p);
 // LLM.int8 integer sums with TDPBSSD, x86/amx/int8.cc
 bool int8_gemm(const Int8Gemm& g);
 constexpr int64_t kInt8GemmMinM = 16;  // measured: below it the int8_dots tiles are faster

@@ -850,7 +850,13 @@ Status int8_linear(const Int8LinearParams& p) {
 Status int8_grad_input(const Int8GradInputParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
+  const ScopedIeeeFloat ieee;                        // for the work done outside parallel_for
+  const auto& bf16 = kernel_table().int8_grad_bf16;  // bf16 dY: the bf16-compute contract where a kernel serves it
+  for (int i = 0; i < bf16.size; ++i)
+    if (bf16.entries[i].fn(p)) {
+      record_kernel(Op::kInt8Grad, bf16.entries[i].name);
+      return Status::Ok();
+    }
   const bool simd = cpu_isa() >= kIsaAvx2;
   const int64_t m = p.m, n = p.n, k = p.k;
   std::vector<float> col_scale(static_cast<size_t>(n));  // fp32(SCB[n] * kInv127)

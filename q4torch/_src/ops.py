@@ -478,6 +478,19 @@ gemm_4bit.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
 gemm_4bit_w4a8.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
 
 
+def _direct_backward(grad: torch.Tensor) -> bool:
+    """Whether an eager node's backward may call a kernel directly: a plain
+    CPU gradient with nothing tracing or recording (else the op, which a
+    compiled autograd or a dispatch mode sees)."""
+    return (
+        type(grad) is torch.Tensor
+        and grad.is_cpu
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_torch_function_mode_enabled()
+        and torch._C._len_torch_dispatch_stack() == 0
+    )
+
+
 class EagerGemm4bit(torch.autograd.Function):
     """q4::gemm_4bit (activation_quant=None) or q4::gemm_4bit_w4a8 ('int8')
     with its autograd, for eager CPU calls that record a graph: the same
@@ -502,14 +515,7 @@ class EagerGemm4bit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        direct = (
-            type(grad) is torch.Tensor
-            and grad.is_cpu
-            and not torch.compiler.is_compiling()
-            and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._len_torch_dispatch_stack() == 0
-        )
-        return _gemm_grads(ctx, grad, gemm_4bit_grad_input_call if direct else gemm_4bit_grad_input, 5)
+        return _gemm_grads(ctx, grad, gemm_4bit_grad_input_call if _direct_backward(grad) else gemm_4bit_grad_input, 5)
 
 
 # ------------------------------------------------------------------ LLM.int8
@@ -606,6 +612,11 @@ def _(x, weight, weight_scale, threshold, bias):
 @torch.library.custom_op("q4::int8_grad_input", mutates_args=(), device_types=("cpu", "cuda"))
 def int8_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """dx[..., k] = grad_out[..., n] . (CB * SCB / 127), fp32 accumulation."""
+    return int8_grad_input_call(grad_out, weight, weight_scale)
+
+
+def int8_grad_input_call(grad_out, weight, weight_scale) -> torch.Tensor:
+    """q4::int8_grad_input's work (the eager backward, EagerInt8Linear, calls it directly)."""
     gcode = dtype_code(grad_out.dtype, "grad_out")
     n, k = _int8_weight(weight, weight_scale)
     if grad_out.shape[-1] != n:
@@ -639,13 +650,34 @@ def _int8_setup_context(ctx, inputs, output):
 
 
 def _int8_backward(ctx, grad):
+    return _int8_grads(ctx, grad, int8_grad_input)
+
+
+def _int8_grads(ctx, grad, grad_input) -> tuple:
+    """The gradients of an int8_linear call (x, weight, weight_scale,
+    threshold, bias): of x through grad_input, of the bias, None for the rest."""
     weight, weight_scale = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_x = int8_grad_input(grad, weight, weight_scale)
+        grad_x = grad_input(grad, weight, weight_scale)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
         grad_bias = grad.reshape(-1, weight.shape[0]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
     return grad_x, None, None, None, grad_bias
 
 
 int8_linear.register_autograd(_int8_backward, setup_context=_int8_setup_context)
+
+
+class EagerInt8Linear(torch.autograd.Function):
+    """q4::int8_linear with its autograd for eager CPU calls that record a
+    graph (as EagerGemm4bit): the same kernels, arguments and saved tensors,
+    without the op's dispatch. apply(x, weight, weight_scale, threshold, bias)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale, threshold, bias):
+        _int8_setup_context(ctx, (x, weight, weight_scale, threshold, bias), None)
+        return int8_linear_call(x, weight, weight_scale, threshold, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _int8_grads(ctx, grad, int8_grad_input_call if _direct_backward(grad) else int8_grad_input)

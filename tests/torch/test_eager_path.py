@@ -342,18 +342,42 @@ def _int8_layer(rng, threshold):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("threshold", [0.0, 1.5])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_int8_layer_direct_call_gives_the_op_bytes(rng, int8_op_calls, dtype, threshold, mode):
+def test_int8_layer_direct_call_gives_the_op_bytes(rng, int8_op_calls, monkeypatch, dtype, threshold, mode):
     """Linear8bitLt passes its Int8Params, SCB and nn.Parameter bias as they
-    are: without autograd the direct call runs (the op's bytes, outlier
-    columns included); with the bias' gradient needed, the op."""
+    are: the direct call runs in every mode (the op's bytes, outlier columns
+    included), recording its own node (ops.EagerInt8Linear) where autograd
+    needs it, whose dX and dBias are the op's autograd's, bit for bit."""
     layer = _int8_layer(rng, threshold)
     x = torch.from_numpy(inputs.make(rng, (5, 256), "float32")).to(dtype)
     x[:, 7] = 3.0  # an outlier column at threshold 1.5
+    xg = x.clone().requires_grad_(True)
+    grad_calls = _count_calls(monkeypatch, "int8_grad_input")
     with MODES[mode]():
-        got = layer(x)
-    assert len(int8_op_calls) == (1 if mode == "grad" else 0)
-    want = torch.ops.q4.int8_linear(x, layer.weight.detach(), layer.weight.SCB, threshold, layer.bias.detach())
-    assert got.dtype == want.dtype and torch.equal(got.detach(), want)
+        got = layer(xg)
+    assert int8_op_calls == []
+    weight, scb = layer.weight.detach(), layer.weight.SCB
+    xr = x.clone().requires_grad_(True)
+    br = layer.bias.detach().clone().requires_grad_(True)
+    want = torch.ops.q4.int8_linear(xr, weight, scb, threshold, br)
+    assert got.dtype == want.dtype and torch.equal(got.detach(), want.detach())
+    if mode == "grad":
+        g = torch.from_numpy(inputs.make(rng, (5, 64), "float32")).to(dtype)
+        got.backward(g)
+        want.backward(g)
+        assert len(grad_calls) == 1, "only the op's own backward dispatches q4::int8_grad_input"
+        assert torch.equal(xg.grad, xr.grad) and torch.equal(layer.bias.grad, br.grad)
+
+
+def test_int8_recording_call_saves_the_weight_for_backward(rng):
+    """As the 4-bit node: CB changed in place between forward and backward is an error."""
+    layer = _int8_layer(rng, 0.0)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).requires_grad_(True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == "EagerInt8LinearBackward"
+    with torch.no_grad():
+        layer.weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_int8_direct_call_refuses_bad_inputs(rng):

@@ -66,6 +66,7 @@
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
 #include "q4/common.h"
+#include "q4/int8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
@@ -537,30 +538,26 @@ struct GradUnits {
   }
 };
 
-template <typename OutT, bool TWO>
-void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
-  const int64_t m = p.m, n = p.n, k = p.k;
-  const int shift = log2_exact(p.blocksize);
+// dX [m, k] (OutT) = dY [m, n] (bf16) . W [n, k] on the tile unit, W given by
+// decode(row, col, has_b, z): rows (row, row + 1) x the 64 columns from col
+// as decode_pair's four vectors (row + 1 zero when has_b is false). The
+// 4-bit weights' gradient (grad below) and LLM.int8's (int8_grad) share it:
+// only their W decodes differ.
+template <typename OutT, typename Decode>
+void grad_tiles(const uint16_t* dy, int64_t m, int64_t n, int64_t k, OutT* out, Decode&& decode) {
   const int64_t steps = ceil_div(n, 32), gs = steps * 512;  // k steps of 32 dY columns; words per dY group
-  const uint16_t* dy = static_cast<const uint16_t*>(p.grad_out);
   // up to kGradInPlaceN columns, whole 32-row pairs of dY are read in place
   // (the rest packed): the same values in the same order, so no bit changes
   const int64_t full = n <= kGradInPlaceN && n % 32 == 0 ? m / 32 * 32 : 0;
   uint16_t* dyp = scratch_as<uint16_t>(kSlotInput, ceil_div(m - full, 16) * gs * 2);
   if (full < m) pack_a_tiles(dy + full * n, m - full, n, steps, dyp);
-  // every block scale, decoded once (the strips read them with stride k)
-  const float* sc_all = decode_all_scales(scales, ceil_div(n * k, p.blocksize), gemm4::kSlotPanels);
-  const __m512 codes = code_table(p.quant_type);
   // dY rows per block: their sums for a strip (acc) stay in the L2 while the
   // strip's W segments pass; the packed dY rows stream from wherever they are
   // (a strip reads them once per W segment: ~4 bytes per cycle at 512 rows)
   const GradUnits units(m, k, max64(32, kL2Budget / (kAmxStrip * 4) / 32 * 32), 32);
   const int64_t block = units.block;
-  OutT* out = static_cast<OutT*>(p.grad_input);
   parallel_for(units.count, 1, [&](int64_t u0, int64_t u1) {
     configure_tiles();
-    const __m512i half = upper_half_bit();
-    const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
     // a segment of the strip's W: [kSegN / 32 steps][kAmxStrip / 16 column groups][16 pairs][16 dwords]
     uint32_t* wt = scratch_as<uint32_t>(kSlotRow, kSegN * kAmxStrip * 2);
     float* acc = scratch_as<float>(kSlotAcc, block * kAmxStrip * 4);
@@ -571,8 +568,7 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
       for (int64_t n0 = 0; n0 < n; n0 += kSegN) {
         const int64_t rows = min64(kSegN, n - n0), seg_steps = ceil_div(rows, 32);
         decode_strip_segment<1>(rows, halves, wt, 0, [&](int64_t t, int64_t h, __m512i z[1][4]) {
-          decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t((n0 + 2 * t) * k + c0 + h * kStrip), k,
-                           n0 + 2 * t + 1 < n, half, i_lo, i_hi, z[0]);
+          decode(n0 + 2 * t, c0 + h * kStrip, n0 + 2 * t + 1 < n, z[0]);
         });
         for (int64_t r = r0; r < re; r += 32) {
           float* ac = acc + (r - r0) * kAmxStrip;
@@ -598,6 +594,77 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
     }
     _tile_release();
   });
+}
+
+template <typename OutT, bool TWO>
+void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
+  const int shift = log2_exact(p.blocksize);
+  // every block scale, decoded once (the strips read them with stride k)
+  const float* sc_all = decode_all_scales(scales, ceil_div(p.n * p.k, p.blocksize), gemm4::kSlotPanels);
+  const __m512 codes = code_table(p.quant_type);
+  const __m512i half = upper_half_bit(), i_lo = pair_index(0), i_hi = pair_index(16);
+  const int64_t k = p.k;
+  grad_tiles(static_cast<const uint16_t*>(p.grad_out), p.m, p.n, k, static_cast<OutT*>(p.grad_input),
+             [&](int64_t row, int64_t col, bool has_b, __m512i z[4]) {
+               decode_pair<TWO>(p.packed, sc_all, codes, shift, uint64_t(row * k + col), k, has_b, half, i_lo, i_hi, z);
+             });
+}
+
+// ------------------------------------------------------------ LLM.int8 input gradient, bf16 dY
+
+// bf16 dY (the bf16-compute contract, as the 4-bit weights'): each weight
+// element is its fp32 value, fp32(float(CB[n, c]) * s[n]) with s[n] =
+// fp32(SCB[n] * kInv127) (the exact contract's column scale, cpu/int8.cc),
+// rounded once to bf16; products summed in fp32 on TDPBF16PS, the result
+// rounded once to the output dtype. The error is that of a dense bf16 matmul
+// with the dequantized weight, where the exact contract's one multiply and
+// one add per term (fp32 dY . the int8 weight) runs on the FMA units at half
+// their peak. W rows (2t, 2t + 1) x 64 columns become decode_pair's four
+// vectors (columns 0, 2, .., 30 | 32, .., 62 | 1, .., 31 | 33, .., 63): each
+// 16 widened to fp32 and scaled, the two rows' bf16 values interleaved word
+// by word.
+constexpr int64_t kInt8GradMinM = 3;  // dY rows from which the tile kernel runs (the 4-bit gradient's kMinM)
+
+// Words 2j, 2j + 1 = words j and 16 + j: the two rows' values of column j
+// interleaved, from _mm512_cvtne2ps_pbh(b, a) (a in words 0-15, b in 16-31).
+inline __m512i interleave_words() {
+  alignas(64) uint16_t idx[32];
+  for (int j = 0; j < 16; ++j) {
+    idx[2 * j] = uint16_t(j);
+    idx[2 * j + 1] = uint16_t(16 + j);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// The 64 int8 at w times s as four vectors of 16 fp32, in decode_pair's
+// column order: each word holds columns (2i, 2i + 1); its low byte
+// sign-extended gives the even columns, its high byte the odd ones.
+inline void widen_scaled(const int8_t* w, float s, __m512 v[4]) {
+  const __m512i b = _mm512_loadu_si512(w);
+  const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8), odd = _mm512_srai_epi16(b, 8);
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m256i parts[4] = {_mm512_castsi512_si256(even), _mm512_extracti64x4_epi64(even, 1),
+                            _mm512_castsi512_si256(odd), _mm512_extracti64x4_epi64(odd, 1)};
+  for (int q = 0; q < 4; ++q) v[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(parts[q])), sv);
+}
+
+template <typename OutT>
+void int8_grad_tiles(const Int8GradInputParams& p) {
+  const int64_t n = p.n, k = p.k;
+  float* s = scratch_as<float>(gemm4::kSlotPanels, n * 4);
+  for (int64_t j = 0; j < n; ++j) s[j] = p.weight_scale[j] * int8::kInv127;
+  const __m512i inter = interleave_words();
+  grad_tiles(static_cast<const uint16_t*>(p.grad_out), p.m, n, k, static_cast<OutT*>(p.grad_input),
+             [&](int64_t row, int64_t col, bool has_b, __m512i z[4]) {
+               __m512 a[4], b[4];
+               widen_scaled(p.weight + row * k + col, s[row], a);
+               if (has_b)
+                 widen_scaled(p.weight + (row + 1) * k + col, s[row + 1], b);
+               else
+                 b[0] = b[1] = b[2] = b[3] = _mm512_setzero_ps();
+               for (int q = 0; q < 4; ++q)
+                 z[q] = _mm512_permutexvar_epi16(inter, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b[q], a[q])));
+             });
 }
 
 // ------------------------------------------------------------ fp32 forward in bf16 parts
@@ -1123,6 +1190,14 @@ bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
   });
 }
 
+bool int8_grad(const Int8GradInputParams& p) {
+  if (p.grad_out_dtype != kBF16 || p.k % kStrip != 0 || p.m < kInt8GradMinM) return false;
+  if (reinterpret_cast<uintptr_t>(p.grad_out) % 2 != 0) return false;
+  hint_fresh_output(p.grad_input, p.m * p.k * (p.grad_input_dtype == kF32 ? 4 : 2));
+  with_out_type(p.grad_input_dtype, [&](auto* o) { int8_grad_tiles<std::remove_pointer_t<decltype(o)>>(p); });
+  return true;
+}
+
 }  // namespace amx
 }  // namespace cpu
 }  // namespace q4
@@ -1140,6 +1215,7 @@ bool gemv_f32(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool gemm4_split(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
 bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
 bool grad4_split(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
+bool int8_grad(const Int8GradInputParams&) { return false; }
 }  // namespace amx
 }  // namespace cpu
 }  // namespace q4

@@ -1,0 +1,164 @@
+"""LLM.int8 input gradient for bf16 dY on the AMX tile unit (the amx level,
+amx.int8_grad in kernels/cpu/x86/amx/gemm4.cc), through q4's numpy API.
+
+Its contract is the bf16-compute one of the 4-bit weights (README "bf16
+compute"): each weight element is its fp32 value fp32(CB * fp32(SCB / 127))
+rounded once to bf16, the products with bf16 dY are summed in fp32
+(TDPBF16PS: exact products, denormals read as zero), and the sum is rounded
+once to the output dtype. The oracle is the fp64 product with those bf16
+weights and the fp32 accumulation bound around it. fp32 / fp16 dY, fewer
+than MIN_M rows and k % 64 != 0 keep the exact contract (one fp32 multiply
+and one add per term in n order: test_int8.py).
+
+The shapes reach the gradient walk's blocking (shared with the 4-bit
+gradient, test_gemm4_amx.py): strips of 256 dX columns (a narrower last
+strip), W decoded in 256-row segments (an odd n: a last row pair with one
+row), dY read in place in whole 32-row pairs up to 1536 columns and packed
+beyond, dY row blocks split so each thread gets two work units.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernels.test_gemm4_amx import check_rows_independent
+from kernels.test_gemm4_bf16 import BF16, TINY, bf16_input, last_kernels
+from reference import inputs
+from reference import int8_oracle as oracle
+from reference.matmul import check_accumulation_bound
+
+import q4
+
+ISA = "amx"
+pytestmark = pytest.mark.usefixtures("module_isa")
+
+MIN_M = 3  # kInt8GradMinM in kernels/cpu/x86/amx/gemm4.cc
+KERNEL = "amx.int8_grad"
+OP = "int8_grad_input"
+
+
+def _weight(rng, n, k):
+    w = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scb = rng.uniform(0.05, 3.0, n).astype(np.float32)
+    return w, scb
+
+
+def weight_bf16(w, scb) -> np.ndarray:
+    """The contract's weight: fp32(CB * fp32(SCB * fp32(1/127))) rounded once to bf16, as fp64."""
+    s = (scb * np.float32(1.0 / 127.0)).astype(np.float32)
+    return (w.astype(np.float32) * s[:, None]).astype(np.float32).astype(BF16).astype(np.float64)
+
+
+def grad(dy, w, scb, out_dtype="float32"):
+    dx = q4.int8_grad_input(dy, w, scb, out_dtype=out_dtype)
+    assert last_kernels()[OP] == KERNEL
+    return dx
+
+
+# (m, n, k): the fewest rows; partial 16-row groups; a narrower last strip
+# (k = 320: 256 + 64); n odd (a last W row pair with one row) and beyond one
+# 256-row segment; dY packed (n > 1536, n % 32 != 0); several dY row blocks
+SHAPES = [
+    (3, 40, 64),
+    (16, 77, 128),
+    (17, 384, 320),
+    (33, 1536, 256),
+    (64, 1568, 192),
+    (70, 2001, 64),
+    (1100, 96, 192),
+]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_matches_the_bf16_oracle(rng, m, n, k):
+    dy = bf16_input(rng, (m, n))
+    w, scb = _weight(rng, n, k)
+    dx = grad(dy, w, scb)
+    assert dx.dtype == np.float32 and dx.shape == (m, k)
+    check_accumulation_bound(dx, dy.astype(np.float64), weight_bf16(w, scb), n, "float32", tiny=TINY, what="dX")
+    # the exact contract's result is another one (the weight not rounded to bf16)
+    assert not np.array_equal(dx, oracle.grad_input_f32(dy.astype(np.float32), w, scb))
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_narrow_outputs_are_the_fp32_result_rounded_once(rng, out_dtype):
+    dy = bf16_input(rng, (40, 200))
+    w, scb = _weight(rng, 200, 128)
+    want = inputs.to_dtype(grad(dy, w, scb), out_dtype)
+    got = grad(dy, w, scb, out_dtype)
+    assert got.dtype == want.dtype and np.array_equal(inputs.bits(got), inputs.bits(want))
+
+
+def test_single_terms_are_exact(rng):
+    """One nonzero weight per dX column: each dX element is one product of a
+    bf16 dY value and a bf16 weight, exact in fp32, so the result is exact."""
+    m, n, k = 35, 64, 192
+    w = np.zeros((n, k), np.int8)
+    rows = rng.integers(0, n, k)
+    w[rows, np.arange(k)] = rng.integers(-127, 128, k).astype(np.int8)
+    scb = rng.uniform(0.05, 3.0, n).astype(np.float32)
+    dy = bf16_input(rng, (m, n))
+    dx = grad(dy, w, scb)
+    want = dy.astype(np.float64) @ weight_bf16(w, scb)
+    assert np.array_equal(dx.astype(np.float64), want)
+
+
+def test_kernel_choice():
+    """bf16 dY from MIN_M rows with k % 64 == 0 runs the tile kernel; fewer
+    rows, another k or an fp32 dY keep the exact contract's kernels (their
+    bytes: the documented fp32 order)."""
+    rng = np.random.default_rng(3)
+    w, scb = _weight(rng, 48, 128)
+    for m, k, dtype, kernel in [
+        (MIN_M, 128, "bfloat16", KERNEL),
+        (MIN_M - 1, 128, "bfloat16", "avx2.int8_grad"),
+        (64, 96, "bfloat16", "avx512.int8_grad"),
+        (64, 128, "float32", "avx512.int8_grad"),
+    ]:
+        dy = bf16_input(rng, (m, 48)) if dtype == "bfloat16" else rng.standard_normal((m, 48)).astype(np.float32)
+        wk = np.ascontiguousarray(w[:, :k])
+        dx = q4.int8_grad_input(dy, wk, scb, out_dtype="float32")
+        assert last_kernels()[OP] == kernel, (m, k, dtype)
+        if kernel != KERNEL:
+            want = oracle.grad_input_f32(dy.astype(np.float32), wk, scb)
+            assert np.array_equal(inputs.bits(dx), inputs.bits(want)), (m, k, dtype)
+
+
+@pytest.mark.parametrize("n", [128, 96, 1600])  # dY read in place; in place with a 16-row tail group; packed
+def test_rows_are_independent(rng, n):
+    w, scb = _weight(rng, n, 256)
+    call = lambda g: q4.int8_grad_input(g, w, scb, out_dtype="float32")  # noqa: E731
+    check_rows_independent(rng, call, bf16_input(rng, (100, n)), 20, OP, KERNEL)
+
+
+def test_thread_counts_give_the_same_bytes(rng):
+    dy = bf16_input(rng, (300, 400))
+    w, scb = _weight(rng, 400, 576)
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            q4.set_num_threads(threads)
+            outs.append(grad(dy, w, scb))
+    finally:
+        q4.set_num_threads(0)
+    assert all(np.array_equal(inputs.bits(o), inputs.bits(outs[0])) for o in outs[1:])
+
+
+def test_special_values(rng):
+    """NaN and infinities in dY reach their dX columns as a dense product
+    would; denormal dY values are read as zero (the tile unit's contract)."""
+    m, n, k = 8, 64, 64
+    dy = bf16_input(rng, (m, n))
+    w, scb = _weight(rng, n, k)
+    w[w == 0] = 1  # every weight nonzero: each dY element reaches every dX column of its row
+    dy[1, 5] = np.nan
+    dy[2, 7] = np.inf
+    dy[3, :] = np.float32(2.0**-130)  # denormal in bf16
+    dx = grad(dy, w, scb)
+    assert np.isnan(dx[1]).all()
+    assert np.all(np.isinf(dx[2]) | np.isnan(dx[2]))
+    assert np.array_equal(dx[3], np.zeros(k, np.float32))
+    ok = [0, 4, 5, 6, 7]
+    check_accumulation_bound(
+        dx[ok], dy[ok].astype(np.float64), weight_bf16(w, scb), n, "float32", tiny=TINY, what="finite rows"
+    )
