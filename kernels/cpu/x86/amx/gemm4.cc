@@ -1,5 +1,6 @@
-// AMX kernels of the fused 4-bit matmuls: bf16 compute for bf16 inputs on the
-// tile unit (TDPBF16PS), at the amx level (AVX512_BF16 + AMX-TILE, AMX-BF16,
+// AMX kernels of the fused 4-bit matmuls (and of LLM.int8's input gradient
+// for bf16 dY, which shares the 4-bit gradient's tile walk): bf16 compute for
+// bf16 inputs on the tile unit (TDPBF16PS), at the amx level (AVX512_BF16 + AMX-TILE, AMX-BF16,
 // AMX-INT8, and the OS's permission for the tile data; isa.cc).
 //
 // Contract: the bf16-compute contract of x86/avx512_bf16/gemm4.cc. Each W
