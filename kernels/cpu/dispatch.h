@@ -113,8 +113,9 @@ struct Int8Grad {
   DType dx_dtype;
 };
 using Int8GradFn = bool (*)(const Int8Grad& a);
-// An LLM.int8 input gradient kernel of another contract, given the call as it
-// is (dY in its own dtype): the bf16-compute contract for bf16 dY
+// An LLM.int8 input gradient kernel given the call as it is (dY in its own
+// dtype), of another contract than the exact one: the bf16-compute contract
+// for bf16 dY, fp32 sums of exact part products for fp32 dY
 // (x86/amx/gemm4.cc). Runs before the int8_grad chain; false: not served.
 using Int8GradInputFn = bool (*)(const Int8GradInputParams& p);
 
@@ -123,7 +124,7 @@ struct KernelTable {
   Chain<Grad4Fn> grad4;
   Chain<Gemm4Fn> w4a8;  // gemm_4bit_w4a8 (contract in q4/w4a8.h)
   Chain<Int8GradFn> int8_grad;
-  Chain<Int8GradInputFn> int8_grad_bf16;
+  Chain<Int8GradInputFn> int8_grad_input;
   Chain<Int8DotsFn> int8_dots;
   Chain<Int8GemmFn> int8_gemm;
 };
@@ -197,6 +198,10 @@ bool grad4_split(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 // LLM.int8 input gradient for bf16 dY (the bf16-compute contract, on
 // TDPBF16PS) from 3 dY rows with k % 64 == 0; false otherwise
 bool int8_grad(const Int8GradInputParams& p);
+// the same for fp32 dY from 48 rows: g = dY * SCB / 127 split into three
+// bf16 parts against the exact bf16 int8 weight (an fp32-class sum, other
+// bytes than the exact contract); false for a NaN / inf g
+bool int8_grad_split(const Int8GradInputParams& p);
 // LLM.int8 integer sums with TDPBSSD, x86/amx/int8.cc
 bool int8_gemm(const Int8Gemm& g);
 constexpr int64_t kInt8GemmMinM = 16;  // measured: below it the int8_dots tiles are faster

@@ -851,10 +851,12 @@ Status int8_grad_input(const Int8GradInputParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
   const ScopedIeeeFloat ieee;                        // for the work done outside parallel_for
-  const auto& bf16 = kernel_table().int8_grad_bf16;  // bf16 dY: the bf16-compute contract where a kernel serves it
-  for (int i = 0; i < bf16.size; ++i)
-    if (bf16.entries[i].fn(p)) {
-      record_kernel(Op::kInt8Grad, bf16.entries[i].name);
+  // the kernels of the other contracts (bf16 dY: bf16 compute; fp32 dY on
+  // the tile unit: exact part products), where one serves the call
+  const auto& direct = kernel_table().int8_grad_input;
+  for (int i = 0; i < direct.size; ++i)
+    if (direct.entries[i].fn(p)) {
+      record_kernel(Op::kInt8Grad, direct.entries[i].name);
       return Status::Ok();
     }
   const bool simd = cpu_isa() >= kIsaAvx2;

@@ -109,7 +109,8 @@ cpu::KernelTable build_table(Isa isa) {
     t.grad4.add("amx.grad4", cpu::amx::grad4);
     t.grad4.add("amx.grad4_split", cpu::amx::grad4_split);
     t.int8_gemm.add("amx.int8_gemm", cpu::amx::int8_gemm, cpu::amx::kInt8GemmMinM);
-    t.int8_grad_bf16.add("amx.int8_grad", cpu::amx::int8_grad);
+    t.int8_grad_input.add("amx.int8_grad", cpu::amx::int8_grad);
+    t.int8_grad_input.add("amx.int8_grad_split", cpu::amx::int8_grad_split);
   }
   if (isa >= kIsaAvx512Bf16) {
     t.gemm4.add("avx512_bf16.gemm4", cpu::avx512_bf16::gemm4);
@@ -241,8 +242,8 @@ std::string cpu_features_json() {
   for (int i = 0; i < t.w4a8.size; ++i) names[i] = t.w4a8.entries[i].name;
   json_chain(s, "gemm_4bit_w4a8", names, t.w4a8.size);
   s += ", ";
-  count = 0;  // int8_grad_input: the bf16 kernels, the chain's entries, then int8.cc's own loops
-  for (int i = 0; i < t.int8_grad_bf16.size; ++i) names[count++] = t.int8_grad_bf16.entries[i].name;
+  count = 0;  // int8_grad_input: the call-as-it-is kernels, the chain's entries, then int8.cc's own loops
+  for (int i = 0; i < t.int8_grad_input.size; ++i) names[count++] = t.int8_grad_input.entries[i].name;
   for (int i = 0; i < t.int8_grad.size; ++i) names[count++] = t.int8_grad.entries[i].name;
   if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_grad";
   names[count++] = "scalar.int8_grad";
