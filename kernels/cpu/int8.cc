@@ -850,7 +850,7 @@ Status int8_linear(const Int8LinearParams& p) {
 Status int8_grad_input(const Int8GradInputParams& p) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  const ScopedIeeeFloat ieee;                        // for the work done outside parallel_for
+  const ScopedIeeeFloat ieee;  // for the work done outside parallel_for
   // the kernels of the other contracts (bf16 dY: bf16 compute; fp32 dY on
   // the tile unit: exact part products), where one serves the call
   const auto& direct = kernel_table().int8_grad_input;
