@@ -37,6 +37,10 @@
 //   dX[m, k] = (((0 + g[m, 0] * CB[0, k]) + g[m, 1] * CB[1, k]) + ...)  fp32,
 //              one multiply and one add per term (no FMA) in both paths, so
 //              the scalar and AVX2 results are identical.
+// On the amx level two kernels of other contracts take the calls they serve
+// first (x86/amx/gemm4.cc): bf16 dY under the bf16-compute contract, and
+// fp32 dY as exact bf16 part products of g and CB summed in fp32 (within
+// the fp32 bound of the exact sum; other bytes).
 #include "q4/int8.h"
 
 #include <algorithm>
