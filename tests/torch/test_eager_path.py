@@ -25,20 +25,7 @@ def _weight(rng, n=64, k=256, blocksize=64, nested=True, quant_type="nf4"):
 
 def _op(x, packed, qs, bias=None):
     """The q4::gemm_4bit op itself, through the dispatcher."""
-    n, k = qs.shape
-    nested = qs.nested
-    return torch.ops.q4.gemm_4bit(
-        x,
-        packed.view(torch.uint8).reshape(-1),
-        qs.absmax,
-        qs.state2.absmax if nested else None,
-        qs.offset if nested else None,
-        n,
-        k,
-        qs.blocksize,
-        qs.quant_type,
-        bias,
-    )
+    return torch.ops.q4.gemm_4bit(x, *F._weight_operands(packed.view(torch.uint8).reshape(-1), qs), bias)
 
 
 def _count_calls(monkeypatch, name):
@@ -92,24 +79,10 @@ def test_direct_call_under_no_grad_and_without_grad_inputs(rng, op_calls):
 
 def _op_with_grads(x, packed, qs, bias, g, activation_quant=None):
     """The op's forward and gradients (x, bias) through its own autograd."""
-    n, k = qs.shape
     op = torch.ops.q4.gemm_4bit if activation_quant is None else torch.ops.q4.gemm_4bit_w4a8
     xr = x.detach().clone().requires_grad_(True)
     br = None if bias is None else bias.detach().clone().requires_grad_(bias.requires_grad)
-    nested = qs.nested
-    flat = packed.view(torch.uint8).reshape(-1)
-    y = op(
-        xr,
-        flat,
-        qs.absmax,
-        qs.state2.absmax if nested else None,
-        qs.offset if nested else None,
-        n,
-        k,
-        qs.blocksize,
-        qs.quant_type,
-        br,
-    )
+    y = op(xr, *F._weight_operands(packed.view(torch.uint8).reshape(-1), qs), br)
     assert type(y.grad_fn).__name__ != "EagerGemm4bitBackward"
     y.backward(g)
     return y.detach(), xr.grad, None if br is None else br.grad
