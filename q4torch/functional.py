@@ -685,6 +685,11 @@ def _plain(t) -> bool:
     return tp is torch.Tensor or getattr(tp, "__torch_function__", None) is torch._C._disabled_torch_function_impl
 
 
+def _records(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether autograd records this call (A or the bias requires grad, grad mode on)."""
+    return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
+
+
 def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None, records: bool = False) -> bool:
     """Whether matmul_4bit may call the CPU kernel directly rather than through
     the q4::gemm_4bit op: eager mode, plain CPU tensors, nothing recording
@@ -696,9 +701,8 @@ def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None, records: bool = False
     transforms: the caller records it itself (ops.EagerGemm4bit)."""
     if type(A) is not torch.Tensor or not A.is_cpu or torch.compiler.is_compiling():
         return False
-    if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
-        if not records or torch._C._functorch.is_functorch_wrapped_tensor(A):
-            return False
+    if _records(A, bias) and (not records or torch._C._functorch.is_functorch_wrapped_tensor(A)):
+        return False
     if bias is not None and (not _plain(bias) or not bias.is_cpu):  # (a layer's bias: an nn.Parameter)
         return False
     return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
@@ -727,7 +731,7 @@ def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tenso
             return None
         n, k, scales = _prepared_args(quant_state, B)
         bs, qt = int(quant_state.blocksize), quant_state.quant_type
-        if not torch.is_grad_enabled() or not (A.requires_grad or (bias is not None and bias.requires_grad)):
+        if not _records(A, bias):
             return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
         packed = (B if B.dtype == torch.uint8 else B.view(torch.uint8)).reshape(-1)
         nested = quant_state.nested
@@ -866,7 +870,7 @@ def int8_linear(
     (threshold > 0) go through fp32 unquantized."""
     if _eager_cpu(A, bias, records=True) and _plain(CB) and _plain(SCB) and CB.is_cpu and SCB.is_cpu:
         # the op's bytes, without the dispatcher (recording the op's autograd itself where needed)
-        if torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad)):
+        if _records(A, bias):
             return ops.EagerInt8Linear.apply(A, CB, SCB, float(threshold), bias)
         return ops.int8_linear_call(A, CB, SCB, float(threshold), bias)
     return ops.int8_linear(A, CB, SCB, float(threshold), bias)

@@ -481,10 +481,14 @@ gemm_4bit_w4a8.register_autograd(_gemm_backward, setup_context=_gemm_setup_conte
 def _direct_backward(grad: torch.Tensor) -> bool:
     """Whether an eager node's backward may call a kernel directly: a plain
     CPU gradient with nothing tracing or recording (else the op, which a
-    compiled autograd or a dispatch mode sees)."""
+    compiled autograd or a dispatch mode sees). A backward that records
+    (create_graph=True with a gradient that requires grad) takes the op too,
+    so a second derivative through it raises the op's error rather than
+    silently counting as zero."""
     return (
         type(grad) is torch.Tensor
         and grad.is_cpu
+        and not (torch.is_grad_enabled() and grad.requires_grad)
         and not torch.compiler.is_compiling()
         and not torch._C._is_torch_function_mode_enabled()
         and torch._C._len_torch_dispatch_stack() == 0

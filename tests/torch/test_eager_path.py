@@ -130,6 +130,28 @@ def test_recording_call_gives_the_op_bytes_and_gradients(
         assert grad_op_calls == [] and torch.equal(bias.grad, want_db)
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "op"])
+@pytest.mark.parametrize("kind", ["4bit", "int8"])
+def test_second_derivatives_are_refused_on_both_paths(rng, monkeypatch, direct, kind):
+    """Neither path has a second derivative: differentiating the gradient
+    raises (a recording backward of the direct node calls the op), never a
+    silent zero beside another term that reaches x."""
+    if not direct:
+        monkeypatch.setattr(F, "_eager_cpu", lambda *args, **kwargs: False)
+    x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).requires_grad_(True)
+    if kind == "4bit":
+        packed, qs = _weight(rng)
+        y, node = F.matmul_4bit(x, packed.t(), qs), "EagerGemm4bitBackward"
+    else:
+        layer = _int8_layer(rng, 0.0)
+        y, node = F.int8_linear(x, layer.weight, layer.weight.SCB), "EagerInt8LinearBackward"
+    assert (type(y.grad_fn).__name__ == node) == direct
+    (gx,) = torch.autograd.grad((y**2).sum(), x, create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.autograd.grad(gx.sum() + (x**2).sum(), x)
+
+
 def test_modes_and_transforms_take_the_op(rng, op_calls, grad_op_calls):
     """A dispatch mode sees q4.gemm_4bit (forward) and q4.gemm_4bit_grad_input
     (a backward run under it); functorch's transforms take the op (which
