@@ -1,7 +1,7 @@
-// AMX kernels of the fused 4-bit matmuls (and of LLM.int8's input gradient
-// for bf16 dY, which shares the 4-bit gradient's tile walk): bf16 compute for
-// bf16 inputs on the tile unit (TDPBF16PS), at the amx level (AVX512_BF16 + AMX-TILE, AMX-BF16,
-// AMX-INT8, and the OS's permission for the tile data; isa.cc).
+// AMX kernels of the fused 4-bit matmuls (and of LLM.int8's input gradient,
+// which shares the 4-bit gradients' tile walks): bf16 compute for bf16 inputs
+// on the tile unit (TDPBF16PS), at the amx level (AVX512_BF16 + AMX-TILE,
+// AMX-BF16, AMX-INT8, and the OS's permission for the tile data; isa.cc).
 //
 // Contract: the bf16-compute contract of x86/avx512_bf16/gemm4.cc. Each W
 // element is decode(nibble) * scale(block) in fp32 rounded once to bf16 (the
@@ -623,8 +623,7 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
   const float* sc_all = decode_all_scales(scales, ceil_div(p.n * p.k, p.blocksize), gemm4::kSlotPanels);
   const __m512 codes = code_table(p.quant_type);
   const __m512i half = upper_half_bit(), i_lo = pair_index(0), i_hi = pair_index(16);
-  const int64_t k = p.k;
-  const int64_t n = p.n;
+  const int64_t n = p.n, k = p.k;
   grad_tiles(static_cast<const uint16_t*>(p.grad_out), p.m, n, k, static_cast<OutT*>(p.grad_input),
              [&](int64_t row, int64_t col, bool has_b, __m512i z[4]) {
                prefetch_ahead(p.packed + (row * k + col) / 2, row, n, k / 2);
@@ -647,54 +646,50 @@ void grad(const Gemm4bitGradInputParams& p, const ScaleDecoder& scales) {
 // by word.
 constexpr int64_t kInt8GradMinM = 4;  // dY rows from which the tile kernel runs (measured crossover: 3-4)
 
-// Words 2j, 2j + 1 = words j and 16 + j: the two rows' values of column j
-// interleaved, from _mm512_cvtne2ps_pbh(b, a) (a in words 0-15, b in 16-31).
-inline __m512i interleave_words() {
-  alignas(64) uint16_t idx[32];
-  for (int j = 0; j < 16; ++j) {
-    idx[2 * j] = uint16_t(j);
-    idx[2 * j + 1] = uint16_t(16 + j);
-  }
-  return _mm512_load_si512(idx);
+// The 16 int16 of v widened to fp32 and times s.
+inline __m512 scaled_words(__m256i v, __m512 s) {
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(v)), s);
 }
 
-// The 64 int8 at w times s as four vectors of 16 fp32, in decode_pair's
-// column order: each word holds columns (2i, 2i + 1); its low byte
-// sign-extended gives the even columns, its high byte the odd ones.
-inline void widen_scaled(const int8_t* w, float s, __m512 v[4]) {
+// The 64 int8 at w times s, rounded to bf16, as decode_chunk returns a 4-bit
+// chunk (hi: columns 0, 2, .., 62; lo: 1, 3, .., 63): each word holds columns
+// (2i, 2i + 1); its low byte sign-extended gives the even column, its high
+// byte the odd one.
+inline Chunk int8_chunk(const int8_t* w, float s) {
   const __m512i b = _mm512_loadu_si512(w);
   const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8), odd = _mm512_srai_epi16(b, 8);
   const __m512 sv = _mm512_set1_ps(s);
-  const __m256i parts[4] = {_mm512_castsi512_si256(even), _mm512_extracti64x4_epi64(even, 1),
-                            _mm512_castsi512_si256(odd), _mm512_extracti64x4_epi64(odd, 1)};
-  for (int q = 0; q < 4; ++q) v[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(parts[q])), sv);
+  return {reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(scaled_words(_mm512_extracti64x4_epi64(even, 1), sv),
+                                                        scaled_words(_mm512_castsi512_si256(even), sv))),
+          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(scaled_words(_mm512_extracti64x4_epi64(odd, 1), sv),
+                                                        scaled_words(_mm512_castsi512_si256(odd), sv)))};
 }
 
 // W rows (row, row + 1) x 64 columns from col of the int8 weight (row stride
 // k) scaled by sa, sb, as decode_pair's four vectors (the second row zero
-// when has_b is false).
-inline void int8_pair(const int8_t* w, int64_t k, float sa, float sb, bool has_b, __m512i inter, __m512i z[4]) {
-  __m512 a[4], b[4];
-  widen_scaled(w, sa, a);
-  if (has_b)
-    widen_scaled(w + k, sb, b);
-  else
-    b[0] = b[1] = b[2] = b[3] = _mm512_setzero_ps();
-  for (int q = 0; q < 4; ++q)
-    z[q] = _mm512_permutexvar_epi16(inter, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b[q], a[q])));
+// when has_b is false): decode_pair's interleave of two chunks.
+inline void int8_pair(const int8_t* w, int64_t k, float sa, float sb, bool has_b, __m512i i_lo, __m512i i_hi,
+                      __m512i z[4]) {
+  const Chunk b = has_b ? int8_chunk(w + k, sb) : Chunk{_mm512_setzero_si512(), _mm512_setzero_si512()};
+  interleave_pair(int8_chunk(w, sa), b, i_lo, i_hi, z);
+}
+
+// s[j] = fp32(SCB[j] * kInv127), the exact contract's column scales (cpu/int8.cc).
+inline void int8_column_scales(const Int8GradInputParams& p, float* s) {
+  for (int64_t j = 0; j < p.n; ++j) s[j] = p.weight_scale[j] * int8::kInv127;
 }
 
 template <typename OutT>
 void int8_grad_tiles(const Int8GradInputParams& p) {
   const int64_t n = p.n, k = p.k;
   float* s = scratch_as<float>(gemm4::kSlotPanels, (n + 1) * 4);
-  for (int64_t j = 0; j < n; ++j) s[j] = p.weight_scale[j] * int8::kInv127;
+  int8_column_scales(p, s);
   s[n] = 0.0f;  // (read for the missing row of a last pair)
-  const __m512i inter = interleave_words();
+  const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
   grad_tiles(static_cast<const uint16_t*>(p.grad_out), p.m, n, k, static_cast<OutT*>(p.grad_input),
              [&](int64_t row, int64_t col, bool has_b, __m512i z[4]) {
                prefetch_ahead(p.weight + row * k + col, row, n, k);
-               int8_pair(p.weight + row * k + col, k, s[row], s[row + 1], has_b, inter, z);
+               int8_pair(p.weight + row * k + col, k, s[row], s[row + 1], has_b, i_lo, i_hi, z);
              });
 }
 
@@ -1204,7 +1199,7 @@ bool int8_grad_split_tiles(const Int8GradInputParams& p) {
   const int64_t m = p.m, n = p.n, k = p.k;
   float* g = scratch_as<float>(gemm4::kSlotPanels, (m * n + n) * 4);
   float* s = g + m * n;
-  for (int64_t j = 0; j < n; ++j) s[j] = p.weight_scale[j] * int8::kInv127;
+  int8_column_scales(p, s);
   const float* dy = static_cast<const float*>(p.grad_out);
   parallel_for(m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -1214,11 +1209,11 @@ bool int8_grad_split_tiles(const Int8GradInputParams& p) {
       for (; j < n; ++j) g[r * n + j] = dy[r * n + j] * s[j];
     }
   });
-  const __m512i inter = interleave_words();
+  const __m512i i_lo = pair_index(0), i_hi = pair_index(16);
   return grad_tiles_split<1>(g, m, n, k, static_cast<OutT*>(p.grad_input),
                              [&](int64_t row, int64_t col, bool has_b, __m512i z[1][4]) {
                                prefetch_ahead(p.weight + row * k + col, row, n, k);
-                               int8_pair(p.weight + row * k + col, k, 1.0f, 1.0f, has_b, inter, z[0]);
+                               int8_pair(p.weight + row * k + col, k, 1.0f, 1.0f, has_b, i_lo, i_hi, z[0]);
                              });
 }
 
