@@ -64,6 +64,14 @@ def grad(dy, w, scb, out_dtype="float32", kernel=KERNEL):
     return dx
 
 
+def fp32_input(rng, shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# each kernel with the dY it serves: (sample(rng, shape), kernel)
+KINDS = {"bf16": (bf16_input, KERNEL), "fp32": (fp32_input, SPLIT)}
+
+
 def scaled_dy(dy, scb) -> np.ndarray:
     """g = fp32(dY * fp32(SCB * fp32(1/127))), the exact contract's first step, as fp64."""
     s = (scb * np.float32(1.0 / 127.0)).astype(np.float32)
@@ -101,15 +109,6 @@ def test_matches_the_bf16_oracle(rng, m, n, k):
     check_accumulation_bound(dx, dy.astype(np.float64), weight_bf16(w, scb), n, "float32", tiny=TINY, what="dX")
     # the exact contract's result is another one (the weight not rounded to bf16)
     assert not np.array_equal(dx, oracle.grad_input_f32(dy.astype(np.float32), w, scb))
-
-
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
-def test_narrow_outputs_are_the_fp32_result_rounded_once(rng, out_dtype):
-    dy = bf16_input(rng, (40, 200))
-    w, scb = _weight(rng, 200, 128)
-    want = inputs.to_dtype(grad(dy, w, scb), out_dtype)
-    got = grad(dy, w, scb, out_dtype)
-    assert got.dtype == want.dtype and np.array_equal(inputs.bits(got), inputs.bits(want))
 
 
 def test_single_terms_are_exact(rng):
@@ -150,26 +149,6 @@ def test_kernel_choice():
             assert np.array_equal(inputs.bits(dx), inputs.bits(want)), (m, k, dtype)
 
 
-@pytest.mark.parametrize("n", [128, 96, 1600])  # dY read in place; in place with a 16-row tail group; packed
-def test_rows_are_independent(rng, n):
-    w, scb = _weight(rng, n, 256)
-    call = lambda g: q4.int8_grad_input(g, w, scb, out_dtype="float32")  # noqa: E731
-    check_rows_independent(rng, call, bf16_input(rng, (100, n)), 20, OP, KERNEL)
-
-
-def test_thread_counts_give_the_same_bytes(rng):
-    dy = bf16_input(rng, (300, 400))
-    w, scb = _weight(rng, 400, 576)
-    outs = []
-    try:
-        for threads in (1, 2, 3):
-            q4.set_num_threads(threads)
-            outs.append(grad(dy, w, scb))
-    finally:
-        q4.set_num_threads(0)
-    assert all(np.array_equal(inputs.bits(o), inputs.bits(outs[0])) for o in outs[1:])
-
-
 def test_special_values(rng):
     """NaN and infinities in dY reach their dX columns as a dense product
     would; denormal dY values are read as zero (the tile unit's contract)."""
@@ -203,7 +182,7 @@ SPLIT_SHAPES = [
 
 @pytest.mark.parametrize("m,n,k", SPLIT_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SPLIT_SHAPES])
 def test_split_within_the_fp32_bound(rng, m, n, k):
-    dy = rng.standard_normal((m, n)).astype(np.float32)
+    dy = fp32_input(rng, (m, n))
     w, scb = _weight(rng, n, k)
     dx = grad(dy, w, scb, kernel=SPLIT)
     assert dx.dtype == np.float32 and dx.shape == (m, k)
@@ -214,22 +193,13 @@ def test_split_within_the_fp32_bound(rng, m, n, k):
     assert np.abs(dx - exact).max() <= np.abs(seq - exact).max()
 
 
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
-def test_split_narrow_outputs_are_the_fp32_result_rounded_once(rng, out_dtype):
-    dy = rng.standard_normal((40, 200)).astype(np.float32)
-    w, scb = _weight(rng, 200, 128)
-    want = inputs.to_dtype(grad(dy, w, scb, kernel=SPLIT), out_dtype)
-    got = grad(dy, w, scb, out_dtype, kernel=SPLIT)
-    assert got.dtype == want.dtype and np.array_equal(inputs.bits(got), inputs.bits(want))
-
-
 @pytest.mark.parametrize("p", [-140, -100, -60, 60, 100])
 def test_split_rows_scale_by_powers_of_two(rng, p):
     """Each row is computed at its own power-of-two scale: dY * 2^p gives dX *
     2^p bit for bit, rows of denormals (p = -140, compared with one rounding
     of the scaled-up result) included; the other rows' bytes do not move."""
     m, n, k = 16, 96, 128
-    dy = rng.standard_normal((m, n)).astype(np.float32)
+    dy = fp32_input(rng, (m, n))
     w, scb = _weight(rng, n, k)
     base = grad(dy, w, scb, kernel=SPLIT)
     scaled = dy.copy()
@@ -250,7 +220,7 @@ def test_split_single_extreme_elements(rng, value):
     stay on the split, within the bound plus the dropped term; the other
     rows' bytes are those of the call without the element."""
     m, n, k = 12, 64, 128
-    dy = rng.standard_normal((m, n)).astype(np.float32)
+    dy = fp32_input(rng, (m, n))
     w, scb = _weight(rng, n, k)
     base = grad(dy, w, scb, kernel=SPLIT)
     dy2 = dy.copy()
@@ -264,27 +234,47 @@ def test_split_single_extreme_elements(rng, value):
 def test_split_declines_non_finite_rows(rng, bad):
     """A NaN or infinity in dY: the exact contract's kernel computes the call (its bytes)."""
     m, n, k = 64, 48, 128
-    dy = rng.standard_normal((m, n)).astype(np.float32)
+    dy = fp32_input(rng, (m, n))
     dy[7, 3] = bad
     w, scb = _weight(rng, n, k)
     dx = grad(dy, w, scb, kernel="avx512.int8_grad")
     assert np.array_equal(inputs.bits(dx), inputs.bits(oracle.grad_input_f32(dy, w, scb)))
 
 
-def test_split_rows_are_independent(rng):
-    w, scb = _weight(rng, 200, 256)
+# ------------------------------------------------------------ both kernels
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])
+def test_narrow_outputs_are_the_fp32_result_rounded_once(rng, kind, out_dtype):
+    sample, kernel = KINDS[kind]
+    dy = sample(rng, (40, 200))
+    w, scb = _weight(rng, 200, 128)
+    want = inputs.to_dtype(grad(dy, w, scb, kernel=kernel), out_dtype)
+    got = grad(dy, w, scb, out_dtype, kernel=kernel)
+    assert got.dtype == want.dtype and np.array_equal(inputs.bits(got), inputs.bits(want))
+
+
+# dY read in place; in place with a 16-row tail group; packed (the bf16 kernel; the split always packs)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("n", [128, 96, 1600])
+def test_rows_are_independent(rng, kind, n):
+    sample, kernel = KINDS[kind]
+    w, scb = _weight(rng, n, 256)
     call = lambda g: q4.int8_grad_input(g, w, scb, out_dtype="float32")  # noqa: E731
-    check_rows_independent(rng, call, rng.standard_normal((100, 200)).astype(np.float32), 20, OP, SPLIT)
+    check_rows_independent(rng, call, sample(rng, (100, n)), 20, OP, kernel)
 
 
-def test_split_thread_counts_give_the_same_bytes(rng):
-    dy = rng.standard_normal((300, 400)).astype(np.float32)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_thread_counts_give_the_same_bytes(rng, kind):
+    sample, kernel = KINDS[kind]
+    dy = sample(rng, (300, 400))
     w, scb = _weight(rng, 400, 576)
     outs = []
     try:
         for threads in (1, 2, 3):
             q4.set_num_threads(threads)
-            outs.append(grad(dy, w, scb, kernel=SPLIT))
+            outs.append(grad(dy, w, scb, kernel=kernel))
     finally:
         q4.set_num_threads(0)
     assert all(np.array_equal(inputs.bits(o), inputs.bits(outs[0])) for o in outs[1:])
