@@ -43,3 +43,26 @@ def test_gemv_thread_count_does_not_change_bits(rng):
         finally:
             q4.set_num_threads(0)
     assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_gemv_every_row_count(isa_all, rng, threads):
+    """Each row within the bound whatever the row count and thread count: the
+    AVX-512 gemv cuts each thread's rows into four equal runs read side by side
+    and takes the rows left over one at a time, so every count from 1 to 9, and
+    counts that leave 1-3 rows over in a thread's last chunk, are checked row by
+    row; and the bytes do not depend on the thread count."""
+    q4.set_num_threads(threads)
+    try:
+        for n in (*range(1, 10), 37, 66, 131, 301):
+            packed, state, w = _weight(rng, n, 256, 64, "nf4", True)
+            x = rng.standard_normal((1, 256)).astype(np.float32)
+            y = q4.gemm_4bit(x, packed, state).astype(np.float64)
+            want = x.astype(np.float64) @ w.T
+            bound = 258 * U32 * (np.abs(x).astype(np.float64) @ np.abs(w).T)
+            assert np.all(np.abs(y - want) <= bound), (n, np.abs(y - want) / bound)
+            q4.set_num_threads(1)
+            assert q4.gemm_4bit(x, packed, state).tobytes() == y.astype(np.float32).tobytes(), n
+            q4.set_num_threads(threads)
+    finally:
+        q4.set_num_threads(0)

@@ -104,56 +104,56 @@ inline __m512i nibbles(__m512i v) {
   return S == 0 ? v : _mm512_srli_epi32(v, S);
 }
 
-// Scales of the 16 dwords of chunk c from the row's block scales rs: the
-// chunk's two (blocksize 64) or four (32) scales loaded at once and spread
-// over their dwords by one permute (for blocksize 64 the earlier two
-// broadcasts and a 256-bit insert measured 4-5% slower on the Zen 4 VM, one
-// thread, 4096^2: 0.642 -> 0.613 ms).
+// Scales of the 16 dwords of chunk c of a row. SHIFT = log2(blocksize) for
+// blocksize 32 and 64: rs points at the row's first block, and the chunk's two
+// (64) or four (32) scales are loaded at once and spread over their dwords by
+// one permute (for blocksize 64 the earlier two broadcasts and a 256-bit
+// insert measured 4-5% slower on the Zen 4 VM, one thread, 4096^2: 0.642 ->
+// 0.613 ms). SHIFT = 0 for blocksize >= 128: one scale per chunk, rs indexed
+// by global block (a block may start inside a row), c the global chunk index.
+template <int SHIFT>
 inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
-  const int64_t f = c * 128;
-  if (shift >= 7) return _mm512_set1_ps(rs[f >> shift]);
-  if (shift == 6) {
+  if (SHIFT == 0) return _mm512_set1_ps(rs[(c * 128) >> shift]);
+  if (SHIFT == 6) {
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rs + (f >> 6)));
+    const __m128i two = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rs + 2 * c));
     return _mm512_permutexvar_ps(half, _mm512_castps128_ps512(_mm_castsi128_ps(two)));
   }
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + (f >> 5))));
+  return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + 4 * c)));
 }
 
-constexpr int64_t kPrefetchGroups = 2;  // W prefetched this many row groups ahead
+constexpr int64_t kPrefetchRows = 2;  // each row stream prefetched this many rows ahead
 
-// R rows from r0; rs[b - b_base] = scale of block b. The chunk
-// kPrefetchGroups row groups ahead is prefetched (the hardware prefetchers
-// miss the R interleaved row streams). Four rows: eight independent FMA
-// chains, enough to cover the FMA latency (two rows' four chains left the
-// loop latency-bound).
-template <QuantType QT, int R>
-void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int64_t b_base, int64_t r0) {
+// R rows, row j = rows[j], far apart in W (see gemv128); sc[j][b] = scale of
+// block b for row j. Each row's chunk kPrefetchRows rows further down its
+// stream is prefetched (pf: those rows exist). Four rows: eight independent
+// FMA chains, enough to cover the FMA latency (two rows' four chains left the
+// loop latency-bound). A row's sums do not depend on the other rows of its
+// tile, so the spacing changes no output bit.
+template <QuantType QT, int R, int SHIFT>
+void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* const* sc, const int64_t* rows, bool pf) {
   alignas(64) float codes[16];
   for (int q = 0; q < 16; ++q) codes[q] = Code4<QT>::decode(q);
   const __m512 table = _mm512_load_ps(codes);
   const int64_t k = p.k, chunks = k / 128;
   const int shift = log2_exact(p.blocksize);
-  const float* sc = rs - b_base;  // sc[b] = scale of block b
+  const int64_t row_bytes = k / 2, ahead = kPrefetchRows * row_bytes;
+  const uint8_t* row[R];
+  const float* rs[R];  // SHIFT 0: the global block's scales, chunk c + chunk0[j]
+  int64_t chunk0[R];   //          else: row j's first block's, chunk c
   __m512 total[R];
-  for (int j = 0; j < R; ++j) total[j] = _mm512_setzero_ps();
-  // Row r0 + j's chunk c at row + j * row_bytes, row advanced per chunk, and
-  // the prefetch decided once per tile (the last row groups do not
-  // prefetch). Computing each row's address and testing its prefetch per
-  // row and chunk (signed element index / 2) cost the loop 5-8% from DRAM:
-  // two threads, 16 layers of 4096^2 cycled, 0.369-0.371 -> 0.349-0.351 ms
-  // (through PyTorch 0.362-0.384 -> 0.338-0.361), one thread 0.712 ->
-  // 0.659; from L3 within 2%. A second request per line, one row group
-  // ahead, gained nothing more.
-  const uint8_t* row = p.packed + r0 * k / 2;
-  const int64_t row_bytes = k / 2, ahead = kPrefetchGroups * R * row_bytes;
-  const bool pf = r0 + (kPrefetchGroups + 1) * R <= p.n;
-  for (int64_t c = 0; c < chunks; ++c, row += 64) {
+  for (int j = 0; j < R; ++j) {
+    row[j] = p.packed + rows[j] * row_bytes;
+    chunk0[j] = SHIFT == 0 ? (rows[j] * k) >> 7 : 0;
+    rs[j] = SHIFT == 0 ? sc[j] : sc[j] + ((rows[j] * k) >> SHIFT);
+    total[j] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
     __m512i v[R];
     __m512 a0[R], a1[R];
     for (int j = 0; j < R; ++j) {
-      const uint8_t* src = row + j * row_bytes;
+      const uint8_t* src = row[j] + c * 64;
       if (pf) prefetch_stream(src + ahead);
       v[j] = _mm512_loadu_si512(src);
       a0[j] = a1[j] = _mm512_setzero_ps();
@@ -176,33 +176,70 @@ void gemv128_rows(const Gemm4bitParams& p, const float* xt, const float* rs, int
 #undef Q4_STEP
     for (int j = 0; j < R; ++j)
       total[j] =
-          _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales(sc, (((r0 + j) * k) >> 7) + c, shift), total[j]);
+          _mm512_fmadd_ps(_mm512_add_ps(a0[j], a1[j]), chunk_scales<SHIFT>(rs[j], chunk0[j] + c, shift), total[j]);
   }
   for (int j = 0; j < R; ++j)
-    store_out(p.out, p.out_dtype, r0 + j, _mm512_reduce_add_ps(total[j]) + load_bias(p.bias, p.bias_dtype, r0 + j));
+    store_out(p.out, p.out_dtype, rows[j], _mm512_reduce_add_ps(total[j]) + load_bias(p.bias, p.bias_dtype, rows[j]));
 }
 
-constexpr int64_t kGemvRows = 4;    // rows per register tile
-constexpr int64_t kScaleRows = 32;  // rows whose block scales are decoded at a time
+constexpr int64_t kGemvRows = 4;         // rows per register tile
+constexpr int64_t kStreamScaleRows = 8;  // rows of each stream whose block scales are decoded at a time
 
-template <QuantType QT>
+// A chunk of rows [n0, n1) is cut into kGemvRows equal runs (the leftover
+// rows after them go one at a time), and a register tile takes the i-th row
+// of every run: each tile reads kGemvRows rows that lie (n1 - n0) / 4 rows
+// apart, four streams in pages of their own. Adjacent rows (2 KiB apart at
+// k = 4096, two to a 4 KiB page) left the weight's stream from DRAM well
+// below the read floor on the Xeon VM: two threads, 32 layers of 4096^2
+// cycled, through the C ABI with nested scales 0.53-0.55 -> 0.44 ms a layer
+// (from L3 0.37 both), a Linear4bit forward 70% -> 80% of torch.sum's rate
+// over the same bytes; a loop of four separate streams alone ran at the
+// floor. Plain fp32 scales are read in place (no copy per row block): from
+// L3 0.36 -> 0.32 ms, from DRAM 0.45 -> 0.41.
+template <QuantType QT, int SHIFT>
 void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales) {
   float* xt = scratch(kSlotPanels, p.k);
   for (int64_t c = 0; c < p.k; c += 128)
     for (int i = 0; i < 8; ++i)
       for (int j = 0; j < 16; ++j) xt[c + 16 * i + j] = x[c + 8 * j + kElem[i]];
   const int shift = log2_exact(p.blocksize);
+  const int64_t k = p.k;
+  // blocks of rows [r, r + count), and their scales' first block
+  const auto first_block = [&](int64_t r) { return (r * k) >> shift; };
+  const auto end_block = [&](int64_t r, int64_t count) { return (((r + count) * k - 1) >> shift) + 1; };
   parallel_for(ceil_div(p.n, kGemvRows), 8, [&](int64_t a, int64_t b) {
     const int64_t n0 = kGemvRows * a, n1 = std::min(p.n, kGemvRows * b);
-    float* rs = scratch(kSlotRow, ((kScaleRows * p.k) >> shift) + 2 + 16);
-    for (int64_t rb = n0; rb < n1; rb += kScaleRows) {
-      const int64_t re = std::min(n1, rb + kScaleRows);
-      const int64_t b0 = (rb * p.k) >> shift, b1 = ((re * p.k - 1) >> shift) + 1;
-      scales.decode(b0, b1, rs);
-      if (re < n1) scales.prefetch(b1, ((std::min(n1, re + kScaleRows) * p.k - 1) >> shift) + 1);
-      int64_t r = rb;
-      for (; r + kGemvRows <= re; r += kGemvRows) gemv128_rows<QT, kGemvRows>(p, xt, rs, b0, r);
-      for (; r < re; ++r) gemv128_rows<QT, 1>(p, xt, rs, b0, r);
+    const int64_t run = (n1 - n0) / kGemvRows;  // rows per stream
+    const int64_t per_stream = ((kStreamScaleRows * k) >> shift) + 2 + 16;
+    float* rs = scratch(kSlotRow, kGemvRows * per_stream);
+    const float* sc[kGemvRows];
+    for (int64_t i0 = 0; i0 < run; i0 += kStreamScaleRows) {
+      const int64_t count = std::min(kStreamScaleRows, run - i0);
+      for (int64_t j = 0; j < kGemvRows; ++j) {
+        if (const float* plain = scales.plain()) {  // read in place
+          sc[j] = plain;
+          continue;
+        }
+        const int64_t r = n0 + j * run + i0, b0 = first_block(r);
+        scales.decode(b0, end_block(r, count), rs + j * per_stream);
+        sc[j] = rs + j * per_stream - b0;
+        if (i0 + count < run)
+          scales.prefetch(end_block(r, count), end_block(r + count, std::min(kStreamScaleRows, run - i0 - count)));
+      }
+      for (int64_t i = i0; i < i0 + count; ++i) {
+        int64_t rows[kGemvRows];
+        for (int64_t j = 0; j < kGemvRows; ++j) rows[j] = n0 + j * run + i;
+        gemv128_rows<QT, kGemvRows, SHIFT>(p, xt, sc, rows, i + kPrefetchRows < run);
+      }
+    }
+    for (int64_t r = n0 + kGemvRows * run; r < n1; ++r) {  // the leftover rows
+      const float* one_sc = scales.plain();
+      if (one_sc == nullptr) {
+        const int64_t b0 = first_block(r);
+        scales.decode(b0, end_block(r, 1), rs);
+        one_sc = rs - b0;
+      }
+      gemv128_rows<QT, 1, SHIFT>(p, xt, &one_sc, &r, false);
     }
   });
 }
@@ -229,7 +266,11 @@ bool gemm4(const Gemm4bitParams& p, const Scales& scales) {
   const float* x = as_f32(p.x, p.x_dtype, p.k);
   if (p.k % 128 == 0) {
     const ScaleDecoder decoder(p.scales);
-    Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv128<QT>(p, x, decoder); });
+    Q4_QUANT_SWITCH(p.quant_type, QT, [&] {
+      if (p.blocksize == 32) return gemv128<QT, 5>(p, x, decoder);
+      if (p.blocksize == 64) return gemv128<QT, 6>(p, x, decoder);
+      gemv128<QT, 0>(p, x, decoder);
+    });
     return true;
   }
   Q4_QUANT_SWITCH(p.quant_type, QT, [&] { gemv1<QT>(p, x, scales); });

@@ -38,6 +38,9 @@ class ScaleDecoder {
       }
     }
   }
+  // The plain fp32 absmax itself (indexed by global block), or null when
+  // nested: kernels that read scales in place need no decode of plain ones.
+  const float* plain() const { return a_.nested() ? nullptr : a_.absmax; }
   float one(int64_t b) const {
     if (!a_.nested()) return a_.absmax[b];
     const float scaled = code_[a_.nested_codes[b]] * a_.nested_absmax[b / kNestedBlocksize];
