@@ -123,7 +123,7 @@ inline __m512 chunk_scales(const float* rs, int64_t c, int shift) {
   return _mm512_permutexvar_ps(quarter, _mm512_castps128_ps512(_mm_loadu_ps(rs + 4 * c)));
 }
 
-constexpr int64_t kPrefetchRows = 2;  // each row stream prefetched this many rows ahead
+constexpr int64_t kPrefetchRows = 1;  // each row stream prefetched this many rows ahead
 
 // R rows, row j = rows[j], far apart in W (see gemv128); sc[j][b] = scale of
 // block b for row j. Each row's chunk kPrefetchRows rows further down its
@@ -188,13 +188,14 @@ constexpr int64_t kStreamScaleRows = 8;  // rows of each stream whose block scal
 // A chunk of rows [n0, n1) is cut into kGemvRows equal runs (the leftover
 // rows after them go one at a time), and a register tile takes the i-th row
 // of every run: each tile reads kGemvRows rows that lie (n1 - n0) / 4 rows
-// apart, four streams in pages of their own. Adjacent rows (2 KiB apart at
-// k = 4096, two to a 4 KiB page) left the weight's stream from DRAM well
-// below the read floor on the Xeon VM: two threads, 32 layers of 4096^2
-// cycled, through the C ABI with nested scales 0.53-0.55 -> 0.44 ms a layer
-// (from L3 0.37 both), a Linear4bit forward 70% -> 80% of torch.sum's rate
-// over the same bytes; a loop of four separate streams alone ran at the
-// floor. Plain fp32 scales are read in place (no copy per row block): from
+// apart, four streams in pages of their own, each prefetched one row ahead.
+// Adjacent rows (2 KiB apart at k = 4096, two to a 4 KiB page, prefetched two
+// tiles ahead) left the weight's stream from DRAM well below the read floor
+// on the Xeon VM: two threads, 32 layers of 4096^2 with nested scales cycled
+// through the C ABI, alternating rounds of both builds in one process, 0.56-
+// 0.59 -> 0.45-0.47 ms a layer, from L3 0.40 -> 0.37-0.39 (a loop of four
+// separate streams alone ran at the floor; prefetching two rows ahead: 0.47
+// / 0.40). Plain fp32 scales are read in place (no copy per row block): from
 // L3 0.36 -> 0.32 ms, from DRAM 0.45 -> 0.41.
 template <QuantType QT, int SHIFT>
 void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales) {

@@ -100,7 +100,8 @@ using gemm4::log2_exact;
 
 constexpr int64_t kGemvMaxM = 24;       // gemv path up to this many rows of x (measured crossover)
 constexpr int kGemvGroup = 4;           // x rows per pass of the gemv path
-constexpr int kGemvPrefetchGroups = 2;  // gemv: W prefetched this many row groups ahead
+constexpr int kGemvPrefetchGroups = 2;  // gemv: W prefetched this many row groups ahead (adjacent rows)
+constexpr int kGemvStreamAhead = 1;     // gemv: W prefetched this many rows ahead in each row stream
 
 // ------------------------------------------------------------- gemv (m small)
 
@@ -164,17 +165,29 @@ __attribute__((always_inline)) inline void store_acc(const __m512 (&acc)[R][M][H
       for (int h = 0; h < H; ++h) mem[i * lda + j * H + h] = acc[i][j][h];
 }
 
-// The W rows [r0, r0 + R) of a gemv tile from column c0 on: row r0 + i's
-// bytes at wb + i * row_bytes and (SPC > 0) its scales at sb + i *
-// row_scales, both pointers advanced per chunk by the tile (k is a multiple
-// of 64: with blocksize 32 or 64 every row starts a block); with SPC = 0 a
-// row's block is found per chunk (scales_at). The prefetch distance stays
-// inside W for the whole tile, or the tile does not prefetch (pf false: the
-// last row groups). sc[b - b_base] = scale of block b.
+// The W rows of a gemv register tile: tile row i is W row r0 + i * stride,
+// the scale of block b for it at base[i][b]; with blocksize 32 or 64 (SPC >
+// 0, every row starts a block) tile row i's scales lie row_scales after tile
+// row i - 1's. stride 1: adjacent rows; else rows of separate streams (see
+// gemv_path).
+struct TileSet {
+  int64_t r0, stride;
+  const float* const* base;
+  int64_t row_scales;
+  TileSet sub(int i) const { return {r0 + i * stride, stride, base + i, row_scales}; }  // from tile row i on
+};
+
+// The W rows of a tile (TileSet) from column c0 on: row i's bytes at wb + i *
+// row_bytes and (SPC > 0) its scales at sb + i * row_scales, both pointers
+// advanced per chunk by the tile (k is a multiple of 64: with blocksize 32 or
+// 64 every row starts a block); with SPC = 0 a row's block is found per
+// chunk (scales_at). Each row's bytes a few rows further down its stream are
+// prefetched (adjacent rows: kGemvPrefetchGroups tiles ahead; separate
+// streams: kGemvStreamAhead rows), while that stays inside W for the whole
+// tile, else the tile does not prefetch (pf false).
 template <int R, int SPC>
 struct TileRows {
-  const float* sc;
-  uint64_t b_base;
+  const float* base[R];
   unsigned shift;
   uint64_t frow[R];  // W element index of each row's start
   int64_t row_bytes, row_scales, pf_bytes;
@@ -182,39 +195,40 @@ struct TileRows {
   const float* sb;
   bool pf;
 
-  TileRows(const GemvArgs& g, int64_t r0, const float* scales, int64_t base, int64_t c0)
-      : sc(scales), b_base(uint64_t(base)), shift(unsigned(g.shift)) {
-    for (int i = 0; i < R; ++i) frow[i] = uint64_t((r0 + i) * g.k);
-    row_bytes = g.k >> 1;
-    row_scales = SPC > 0 ? g.k >> shift : 0;
+  TileRows(const GemvArgs& g, const TileSet& set, int64_t c0) : shift(unsigned(g.shift)) {
+    for (int i = 0; i < R; ++i) {
+      frow[i] = uint64_t((set.r0 + i * set.stride) * g.k);
+      base[i] = set.base[i];
+    }
+    row_bytes = set.stride * (g.k >> 1);
+    row_scales = SPC > 0 ? set.row_scales : 0;
     wb = g.packed + ((frow[0] + uint64_t(c0)) >> 1);
     sb = scales_at(0, c0);
-    const uint64_t pf_dist = uint64_t(kGemvPrefetchGroups * R * g.k);
+    const uint64_t pf_dist = uint64_t((set.stride == 1 ? kGemvPrefetchGroups * R : kGemvStreamAhead) * g.k);
     pf_bytes = int64_t(pf_dist >> 1);
     pf = frow[R - 1] + pf_dist + uint64_t(g.k) <= uint64_t(g.size);
   }
   // row i's scales from the block holding column c on
-  const float* scales_at(int i, int64_t c) const { return sc + (((frow[i] + uint64_t(c)) >> shift) - b_base); }
+  const float* scales_at(int i, int64_t c) const { return base[i] + ((frow[i] + uint64_t(c)) >> shift); }
 };
 
-// R W rows (from r0) against M deinterleaved x rows (from j0), over the
-// columns kr: the 16-lane partial sums of output (i, j) are written to
+// R W rows (the tile `rows`) against M deinterleaved x rows (from j0), over
+// the columns kr: the 16-lane partial sums of output (i, j) are written to
 // acc[i * lda + j * H + h] (H = 2 accumulators per output when m <= 2, to
-// hide the vdpbf16ps latency). sc[b - b_base] = scale of block b. SPC: the
+// hide the vdpbf16ps latency). SPC: the
 // blocks' scales per 64-element chunk -- 2 (blocksize 32), 1 (64), or 0
 // (larger: several chunks per block). M > 4 (XMEM): x is chunk-major and
 // read from L1 by the dot products (dot_rows_mem).
 
 template <int R, int M, int H, int SPC>
-void gemv_tile(const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc_mem, int64_t lda,
-               KRange kr) {
+void gemv_tile(const GemvArgs& g, const TileSet& rows, int64_t j0, __m512* acc_mem, int64_t lda, KRange kr) {
   constexpr bool TWO = SPC == 2;
   const int64_t k = g.k;
   const __m512i half = upper_half_bit();
   __m512 acc[R][M][H];
   load_acc(acc, acc_mem, lda, kr.resume);
   const uint16_t* x = g.xq + j0 * k;
-  const TileRows<R, SPC> t(g, r0, sc, b_base, kr.c0);
+  const TileRows<R, SPC> t(g, rows, kr.c0);
   const uint8_t* wb = t.wb;  // row r0 at chunk c
   const float* sb = t.sb;    // (SPC > 0) its scales
   // Blocksize 64: each row's table is made one chunk ahead, and with one x
@@ -362,8 +376,7 @@ __attribute__((always_inline)) inline void quad_index(__m512i w, __m512i upper, 
 // row, else 1) by quad chunks: x = g.xq in the quad layout, row j at j * k;
 // SPC 1 (blocksize 64) or 0 (blocksize >= 128: one block per chunk).
 template <int R, int M, int SPC>
-void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, __m512* acc_mem, int64_t lda,
-               KRange kr) {
+void gemv_quad(const GemvArgs& g, const TileSet& rows, __m512* acc_mem, int64_t lda, KRange kr) {
   static_assert(SPC == 0 || SPC == 1, "quad chunks: blocksize >= 64");
   static_assert(M == 1 || M == 2, "quad chunks: x in registers");
   constexpr int H = M == 1 ? 2 : 1;
@@ -371,7 +384,7 @@ void gemv_quad(const GemvArgs& g, int64_t r0, const float* sc, int64_t b_base, _
   const __m512i upper = upper_half_bytes();
   __m512 acc[R][M][H];
   load_acc(acc, acc_mem, lda, kr.resume);
-  const TileRows<R, SPC> t(g, r0, sc, b_base, kr.c0);
+  const TileRows<R, SPC> t(g, rows, kr.c0);
   const uint8_t* wb = t.wb;  // row r0 at chunk c
   const float* sb = t.sb;    // (SPC > 0) its scales
   // row i's table at chunk c (s: its scales there when SPC = 1), made one
@@ -433,28 +446,27 @@ constexpr int64_t kWideSegmentL1d = int64_t(48) << 10;  // the L1D size from whi
 // gemv_tile with one accumulator per output and M = 1..MMAX x rows chosen
 // at run time
 template <int R, int MMAX, int SPC>
-void gemv_tile_any(int M, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
-                   int64_t lda, KRange kr) {
+void gemv_tile_any(int M, const GemvArgs& g, const TileSet& rows, int64_t j0, __m512* acc, int64_t lda, KRange kr) {
   if constexpr (MMAX > 1) {
-    if (M < MMAX) return gemv_tile_any<R, MMAX - 1, SPC>(M, g, r0, j0, sc, b_base, acc, lda, kr);
+    if (M < MMAX) return gemv_tile_any<R, MMAX - 1, SPC>(M, g, rows, j0, acc, lda, kr);
   }
-  gemv_tile<R, MMAX, 1, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+  gemv_tile<R, MMAX, 1, SPC>(g, rows, j0, acc, lda, kr);
 }
 
 // M x rows (1..kWideGroup); H = 2 accumulators per output (only when m <= 2,
 // so then M <= 2).
 template <int R, int SPC>
-void gemv_rows(int M, int H, const GemvArgs& g, int64_t r0, int64_t j0, const float* sc, int64_t b_base, __m512* acc,
-               int64_t lda, KRange kr) {
+void gemv_rows(int M, int H, const GemvArgs& g, const TileSet& rows, int64_t j0, __m512* acc, int64_t lda, KRange kr) {
   if (H == 2) {
-    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
-    return gemv_tile<R, 1, 2, SPC>(g, r0, j0, sc, b_base, acc, lda, kr);
+    if (M == 2) return gemv_tile<R, 2, 2, SPC>(g, rows, j0, acc, lda, kr);
+    return gemv_tile<R, 1, 2, SPC>(g, rows, j0, acc, lda, kr);
   }
-  gemv_tile_any<R, kWideGroup, SPC>(M, g, r0, j0, sc, b_base, acc, lda, kr);
+  gemv_tile_any<R, kWideGroup, SPC>(M, g, rows, j0, acc, lda, kr);
 }
 
-constexpr int kGemvR = 4;               // W rows per gemv register tile
-constexpr int64_t kGemvBlockRows = 32;  // W rows whose scales are decoded at once
+constexpr int kGemvR = 4;                                     // W rows per gemv register tile
+constexpr int64_t kGemvStreamRows = 8;                        // rows of each stream whose scales are decoded at once
+constexpr int64_t kGemvBlockRows = kGemvR * kGemvStreamRows;  // W rows summed at once
 
 // m <= 4: each W row group is decoded into registers and dotted with every x
 // row at once; 4 < m <= kWideGroup: the same by W row pairs, x from L1 in k
@@ -493,59 +505,92 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   // wide: k in segments whose x rows stay in L1, where they can (kWideSegmentL1d)
   const bool segment = wide && cpu_l1d_bytes() >= kWideSegmentL1d;
   const int64_t kseg = segment ? max64(kChunk, kWideXBytes / (2 * m) / kChunk * kChunk) : k;
+  // A chunk of rows [n0, n1) is cut into kGemvR equal runs (the rows left
+  // over after them go one at a time), and register tile i takes the i-th row
+  // of every run: four row streams, each in pages of its own and prefetched
+  // one row ahead, where four adjacent rows shared pages (as the avx512
+  // level's gemv128). On the Xeon VM (Q4_ISA=avx512_bf16, bf16 x, 4096^2
+  // nested, 32 layers cycled through the C ABI, alternating rounds in one
+  // process): from DRAM batch 1 0.54 -> 0.47 ms, 2 0.66 -> 0.63, 4 1.11 ->
+  // 1.09; from L3 within 1-2.5% (two rows ahead: 6% slower from L3). A row's
+  // sums do not depend on the other rows of its tile: no output bit changes.
   parallel_for(ceil_div(n, kGemvR), 16, [&](int64_t t0, int64_t t1) {
     const int64_t n0 = t0 * kGemvR, n1 = min64(n, t1 * kGemvR);
-    const int64_t sc_count = (((kGemvBlockRows * k) >> g.shift) + 4 + 15) / 16 * 16;
-    float* sc = scratch_as<float>(kSlotRow, sc_count * 4);
+    const int64_t run = (n1 - n0) / kGemvR;  // rows per stream
+    // scale entries per stream and step block (kGemvStreamRows rows)
+    const int64_t part = (((kGemvStreamRows * k) >> g.shift) + 4 + 15) / 16 * 16;
+    float* sc = scratch_as<float>(kSlotRow, part * kGemvR * 4);
     __m512* acc = scratch_as<__m512>(kSlotAcc, kGemvBlockRows * lda * 64);
     float res[kGemvBlockRows * kGemvMaxM];
-    for (int64_t rb = n0; rb < n1; rb += kGemvBlockRows) {
-      const int64_t re = min64(n1, rb + kGemvBlockRows);
-      const int64_t b0 = (rb * k) >> g.shift, b1 = ((re * k - 1) >> g.shift) + 1;
-      scales.decode(b0, b1, sc);
-      if (re < n1) scales.prefetch(b1, ((min64(n1, re + kGemvBlockRows) * k - 1) >> g.shift) + 1);
+    const float* bases[kGemvR];
+    // `tiles` register tiles of kGemvR rows (full) or of one row, tile t's
+    // rows set(t), its partial sums at acc + t * (rows per tile) * lda
+    const auto compute = [&](int64_t tiles, bool full, const auto& set) {
       for (int64_t c0 = 0; c0 < k; c0 += kseg) {
         const KRange kr{c0, min64(k, c0 + kseg), c0 > 0};
-        for (int64_t r = rb; r < re; r += kGemvR) {
-          const int rows = int(min64(kGemvR, re - r));
-          __m512* a = acc + (r - rb) * lda;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const TileSet rows = set(t);
+          __m512* a = acc + t * (full ? kGemvR : 1) * lda;
           for (int64_t j0 = 0; j0 < m; j0 += gsize) {
             const int M = int(min64(gsize, m - j0));
             if constexpr (SPC < 2) {
               if (quad) {
-                if (rows == kGemvR) {
-                  if (m == 1) gemv_quad<kGemvR, 1, SPC>(g, r, sc, b0, a, lda, kr);
-                  if (m == 2) gemv_quad<kGemvR, 2, SPC>(g, r, sc, b0, a, lda, kr);
+                if (full) {
+                  if (m == 1) gemv_quad<kGemvR, 1, SPC>(g, rows, a, lda, kr);
+                  if (m == 2) gemv_quad<kGemvR, 2, SPC>(g, rows, a, lda, kr);
                 } else {
-                  for (int i = 0; i < rows; ++i) {
-                    if (m == 1) gemv_quad<1, 1, SPC>(g, r + i, sc, b0, a + i * lda, lda, kr);
-                    if (m == 2) gemv_quad<1, 2, SPC>(g, r + i, sc, b0, a + i * lda, lda, kr);
-                  }
+                  if (m == 1) gemv_quad<1, 1, SPC>(g, rows, a, lda, kr);
+                  if (m == 2) gemv_quad<1, 2, SPC>(g, rows, a, lda, kr);
                 }
                 continue;
               }
             }
-            if (rows == kGemvR && M > kGemvGroup) {
+            if (full && M > kGemvGroup) {
               for (int i = 0; i < kGemvR; i += kWideR)
-                gemv_rows<kWideR, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda, kr);
-            } else if (rows == kGemvR) {
-              gemv_rows<kGemvR, SPC>(M, H, g, r, j0, sc, b0, a + j0 * H, lda, kr);
+                gemv_rows<kWideR, SPC>(M, H, g, rows.sub(i), j0, a + i * lda + j0 * H, lda, kr);
+            } else if (full) {
+              gemv_rows<kGemvR, SPC>(M, H, g, rows, j0, a + j0 * H, lda, kr);
             } else {
-              for (int i = 0; i < rows; ++i)
-                gemv_rows<1, SPC>(M, H, g, r + i, j0, sc, b0, a + i * lda + j0 * H, lda, kr);
+              gemv_rows<1, SPC>(M, H, g, rows, j0, a + j0 * H, lda, kr);
             }
           }
         }
       }
-      for (int64_t i = 0; i < (re - rb) * m; ++i) {
+    };
+    // the partial sums of `slots` W rows (acc slot s: W row row_of(s)) summed and stored
+    const auto finish = [&](int64_t slots, const auto& row_of) {
+      for (int64_t i = 0; i < slots * m; ++i) {
         __m512 v = acc[i * H];
         if (H == 2) v = _mm512_add_ps(v, acc[i * H + 1]);
         res[i] = _mm512_reduce_add_ps(v);
       }
       OutT* out = static_cast<OutT*>(p.out);
-      for (int64_t j = 0; j < m; ++j)
-        for (int64_t r = rb; r < re; ++r)
-          Elem<OutT>::store(out, j * n + r, res[(r - rb) * m + j] + load_bias_as<BiasT>(p.bias, r));
+      for (int64_t s = 0; s < slots; ++s) {
+        const int64_t r = row_of(s);
+        for (int64_t j = 0; j < m; ++j)
+          Elem<OutT>::store(out, j * n + r, res[s * m + j] + load_bias_as<BiasT>(p.bias, r));
+      }
+    };
+    const auto first_block = [&](int64_t r) { return (r * k) >> g.shift; };
+    const auto end_block = [&](int64_t r, int64_t count) { return (((r + count) * k - 1) >> g.shift) + 1; };
+    for (int64_t i0 = 0; i0 < run; i0 += kGemvStreamRows) {
+      const int64_t steps = min64(kGemvStreamRows, run - i0), next = min64(kGemvStreamRows, run - i0 - steps);
+      for (int j = 0; j < kGemvR; ++j) {  // stream j's rows [r, r + steps)
+        const int64_t r = n0 + j * run + i0, b0 = first_block(r);
+        scales.decode(b0, end_block(r, steps), sc + j * part);
+        bases[j] = sc + j * part - b0;
+        if (next > 0) scales.prefetch(end_block(r, steps), end_block(r + steps, next));
+      }
+      compute(steps, true, [&](int64_t t) { return TileSet{n0 + i0 + t, run, bases, part}; });
+      finish(steps * kGemvR, [&](int64_t s) { return n0 + (s % kGemvR) * run + i0 + s / kGemvR; });
+    }
+    const int64_t left = n0 + kGemvR * run;  // the rows left over, adjacent
+    if (left < n1) {
+      const int64_t b0 = first_block(left);
+      scales.decode(b0, end_block(left, n1 - left), sc);
+      for (int j = 0; j < kGemvR; ++j) bases[j] = sc - b0;
+      compute(n1 - left, false, [&](int64_t t) { return TileSet{left + t, 1, bases, k >> g.shift}; });
+      finish(n1 - left, [&](int64_t s) { return left + s; });
     }
   });
 }
