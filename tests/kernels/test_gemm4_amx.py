@@ -126,6 +126,35 @@ def test_blocking(rng, m, n, k, blocksize):
     grad(g, packed, state, w32, "float16", what=f"grad {(m, n, k)} fp16 out", kernel=GRAD)
 
 
+# From STREAMED_BYTES of packed W the W-major forward's tiles take every S-th
+# row of a group of S * 32 rows, S = min(4, 8192 // k) (kStreamedBytes,
+# kMaxRowStride there): partial groups and partial tiles, rows stored one by
+# one, the group's scales decoded once for its S tiles.
+STREAMED_BYTES = 4 << 20
+
+
+@pytest.mark.parametrize(
+    "m, n, k, blocksize",
+    [
+        (5, 4141, 2048, 64),  # S = 4; a last group of 45 rows (tiles of 12, 11, 11, 11 rows)
+        (3, 2051, 4096, 64),  # S = 2; a last group of 3 rows (tiles of 2 and 1)
+        (17, 2800, 3072, 4096),  # S = 2; blocks straddle W rows; two x panels
+        (4, 2049, 4160, 32),  # S = 1 (k / 2 bytes above a page): the adjacent tiles
+    ],
+)
+def test_forward_spaced_tiles(rng, m, n, k, blocksize):
+    assert n * k // 2 >= STREAMED_BYTES
+    packed, state, w32 = make_weight(rng, n, k, blocksize, "nf4", True)
+    x = bf16_input(rng, (m, k))
+    forward(x, packed, state, w32, "bfloat16", bf16_input(rng, (n,)), what=f"forward {(m, n, k)}", kernel=FWD)
+    y = forward(x, packed, state, w32, "float32", None, what=f"forward {(m, n, k)} fp32 out", kernel=FWD)
+    q4.set_num_threads(1)
+    try:
+        assert q4.gemm_4bit(x, packed, state, out_dtype="float32").tobytes() == y.tobytes()
+    finally:
+        q4.set_num_threads(0)
+
+
 def test_exact_cases(rng):
     """W = identity: y = x and dX = dY exactly; a zero W gives exact zeros."""
     k = 128

@@ -94,8 +94,10 @@ using gemm4::kSlotPanels;
 using gemm4::kSlotRow;
 using gemm4::log2_exact;
 
-constexpr int64_t kMinM = 3;    // x rows from which the tile path runs (measured crossover)
-constexpr int64_t kWRows = 32;  // W rows per decoded W tile (two A tiles)
+constexpr int64_t kMinM = 3;                          // x rows from which the tile path runs (measured crossover)
+constexpr int64_t kWRows = 32;                        // W rows per decoded W tile (two A tiles)
+constexpr int64_t kMaxRowStride = 4;                  // forward: a W tile's rows at most this many rows apart
+constexpr int64_t kStreamedBytes = int64_t(4) << 20;  // forward: from this many bytes of W its tiles take spaced rows
 constexpr int64_t kSegK = 256;  // W columns decoded per segment (32 rows: 16 KiB of bf16, stays in L1)
 constexpr int64_t kXBlockBytes = int64_t(3) << 19;  // x panels kept in L2 while the W tiles pass (1.5 MiB)
 constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole 64-byte lines of each W row)
@@ -104,15 +106,16 @@ constexpr int64_t kStripStep = kAmxStrip / 16 * 256;  // gradient: dwords per k 
 constexpr int64_t kL2Budget = int64_t(3) << 19;       // gradient: bytes of L2 for a dY block's strip sums
 constexpr int64_t kGradInPlaceN = 1536;  // gradient: dY read in place up to this width (packed beyond: measured)
 
-// The walk of a segment decode over W rows [r0, r0 + rows) x columns [c0, c0
-// + len): asks for each row's bytes of the next segment (SEG columns wide),
-// then calls chunk(bytes, b, d) for each 64-element chunk with its 32 packed
-// bytes, its block b - b0 and its destination d = ws + r * SEG / 2 + c / 2.
+// The walk of a segment decode over W rows r0 + r * stride (r < rows) x
+// columns [c0, c0 + len): asks for each row's bytes of the next segment (SEG
+// columns wide), then calls chunk(bytes, b, d) for each 64-element chunk with
+// its 32 packed bytes, its block b - b0 and its destination d = ws + r * SEG /
+// 2 + c / 2.
 template <int64_t SEG, typename F>
 inline void for_each_segment_chunk(const uint8_t* packed, int64_t k, int shift, int64_t b0, int64_t r0, int64_t rows,
-                                   int64_t c0, int64_t len, uint32_t* ws, F&& chunk) {
+                                   int64_t stride, int64_t c0, int64_t len, uint32_t* ws, F&& chunk) {
   for (int64_t r = 0; r < rows; ++r) {
-    uint64_t g = uint64_t((r0 + r) * k + c0);
+    uint64_t g = uint64_t((r0 + r * stride) * k + c0);
     if (c0 + len < k)
       for (int64_t l = 0; l < min64(SEG, k - c0 - len); l += 128)
         _mm_prefetch(reinterpret_cast<const char*>(packed + ((g + len + l) >> 1)), _MM_HINT_T0);
@@ -122,16 +125,16 @@ inline void for_each_segment_chunk(const uint8_t* packed, int64_t k, int shift, 
   }
 }
 
-// Decodes W rows [r0, r0 + rows) x columns [c0, c0 + len) into the segment
+// Decodes W rows r0 + r * stride (r < rows) x columns [c0, c0 + len) into the segment
 // buffer ws (row r at ws + r * kSegK / 2 dwords; each 64-element chunk as its
 // 32 even elements, then its 32 odd ones: k steps 2c and 2c + 1 of chunk c),
 // and asks for each row's bytes of the next segment. sc[b - b0] = scale of
 // block b.
 template <bool TWO>
 void decode_segment(const uint8_t* packed, int64_t k, int shift, __m512 codes, const float* sc, int64_t b0, int64_t r0,
-                    int64_t rows, int64_t c0, int64_t len, uint32_t* ws) {
+                    int64_t rows, int64_t stride, int64_t c0, int64_t len, uint32_t* ws) {
   const __m512i half = upper_half_bit();
-  for_each_segment_chunk<kSegK>(packed, k, shift, b0, r0, rows, c0, len, ws,
+  for_each_segment_chunk<kSegK>(packed, k, shift, b0, r0, rows, stride, c0, len, ws,
                                 [&](const uint8_t* bytes, int64_t b, uint32_t* d) {
                                   const __m512i tab = chunk_table<TWO>(codes, sc[b], TWO ? sc[b + 1] : 0.0f);
                                   const Chunk w = decode_chunk<TWO>(bytes, tab, half);
@@ -196,24 +199,39 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   const __m512 codes = code_table(p.quant_type);
   const int64_t block = max64(2, kXBlockBytes / (ps * 4)) & ~int64_t(1);  // panels per x block
   OutT* out = static_cast<OutT*>(p.out);
-  parallel_for(ceil_div(n, kWRows), 1, [&](int64_t t0, int64_t t1) {
+  // W tiles in groups of S: the group's S * kWRows rows from g0, tile u of it
+  // rows g0 + u + S * i (i < kWRows), so that a tile's rows lie a page or more
+  // apart (one stream per page: see the gemv in x86/avx512/gemm4.cc) where k
+  // / 2 bytes of a row are less than a page, for a W too large for L2. The
+  // group's scales are decoded once. 4096^2 nested, bf16 x, 32 layers cycled
+  // through the C ABI, alternating rounds of both builds: from DRAM batch 4
+  // 0.94-1.05 -> 0.88-0.99 ms, batch 8 1.01-1.02 -> 0.94-0.97, batch 16 0.96
+  // -> 0.94; from L3 3-4% faster at 4 and 8. (The rest of the DRAM penalty,
+  // 0.3 ms, is not the pages: kernels/README.md.)
+  const int64_t S = n * k / 2 >= kStreamedBytes ? min64(kMaxRowStride, max64(1, 8192 / k)) : 1, group = S * kWRows;
+  parallel_for(ceil_div(n, group), 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
-    const int64_t sc_count = ((kWRows * k) >> shift) + 4;
+    const int64_t sc_count = ((group * k) >> shift) + 4;
     uint32_t* ws = scratch_as<uint32_t>(kSlotRow, kWRows * kSegK * 2 + sc_count * 4);
     float* sc = reinterpret_cast<float*>(ws + kWRows * kSegK / 2);
     float* acc = scratch_as<float>(kSlotAcc, block * kWRows * 16 * 4);
     for (int64_t q0 = 0; q0 < panels; q0 += block) {
       const int64_t qe = min64(panels, q0 + block);
       const bool one = qe - q0 <= 2;  // one panel pair: C stays in the tile registers over all of k
-      for (int64_t tile = t0; tile < t1; ++tile) {
-        const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
-        const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
-        scales.decode(b0, b1, sc);
+      for (int64_t tile = t0 * S; tile < t1 * S; ++tile) {
+        const int64_t g0 = tile / S * group, u = tile % S, r0 = g0 + u;
+        if (r0 >= n) break;
+        const int64_t rows = min64(kWRows, (n - r0 + S - 1) / S);  // rows r0 + S i < n
+        if (u == 0) {
+          const int64_t b0 = (g0 * k) >> shift, b1 = (((min64(n, g0 + group)) * k - 1) >> shift) + 1;
+          scales.decode(b0, b1, sc);
+        }
+        const int64_t b0 = (g0 * k) >> shift;
         if (rows < kWRows) memset(ws + rows * (kSegK / 2), 0, size_t((kWRows - rows) * kSegK * 2));
         for (int64_t c0 = 0; c0 < k; c0 += kSegK) {
           const int64_t len = min64(kSegK, k - c0);
           const bool last = c0 + len >= k;
-          decode_segment<TWO>(p.packed, k, shift, codes, sc, b0, r0, rows, c0, len, ws);
+          decode_segment<TWO>(p.packed, k, shift, codes, sc, b0, r0, rows, S, c0, len, ws);
           for (int64_t q = q0; q < qe; q += 2) {
             float* a = acc + (q - q0) * kWRows * 16;
             const uint32_t* x = xp + q * ps + (c0 / 2) * kPanel;
@@ -225,7 +243,7 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
         }
         for (int64_t q = q0; q < qe; q += 2)
           store_tiles<OutT, BiasT>(acc + (q - q0) * kWRows * 16, kWRows, rows, min64(2 * kPanel, m - q * kPanel), n, r0,
-                                   p.bias, out + q * kPanel * n);
+                                   p.bias, out + q * kPanel * n, S);
       }
     }
     _tile_release();
@@ -838,7 +856,7 @@ void decode_segment_split(const uint8_t* packed, int64_t k, int shift, __m512 co
                           int64_t r0, int64_t rows, int64_t c0, int64_t len, uint32_t* ws) {
   constexpr int64_t part_stride = kWRows * kSplitSegK / 2;
   const __m512i half = upper_half_bit();
-  for_each_segment_chunk<kSplitSegK>(packed, k, shift, b0, r0, rows, c0, len, ws,
+  for_each_segment_chunk<kSplitSegK>(packed, k, shift, b0, r0, rows, 1, c0, len, ws,
                                      [&](const uint8_t* bytes, int64_t b, uint32_t* d) {
                                        const __m512 a = _mm512_mul_ps(codes, _mm512_set1_ps(sc[b]));
                                        const __m512 a2 = TWO ? _mm512_mul_ps(codes, _mm512_set1_ps(sc[b + 1])) : a;

@@ -258,15 +258,16 @@ inline void decode_pair(const uint8_t* __restrict packed, const float* __restric
 
 // acc[(panel * lda + r) * 16 + lane] (the tiled forward's sums of W rows
 // r < rows and the 16 x rows of each panel) plus the bias -> out[panel * 16 +
-// lane][r0 + r], for the m x rows.
+// lane][r0 + r * stride], for the m x rows (stride > 1: the W rows of a tile
+// that takes every stride-th row, stored one by one with the same rounding).
 template <typename OutT, typename BiasT>
 void store_tiles(const float* acc, int64_t lda, int64_t rows, int64_t m, int64_t n, int64_t r0, const void* bias,
-                 OutT* out) {
+                 OutT* out, int64_t stride = 1) {
   const int64_t panels = ceil_div(m, kPanel);
   for (int64_t rs = 0; rs < rows; rs += 16) {
     const int cols = int(min64(16, rows - rs));
     alignas(64) float b[16] = {};
-    for (int i = 0; i < cols; ++i) b[i] = load_bias_as<BiasT>(bias, r0 + rs + i);
+    for (int i = 0; i < cols; ++i) b[i] = load_bias_as<BiasT>(bias, r0 + (rs + i) * stride);
     const __m512 bv = _mm512_load_ps(b);
     for (int64_t pn = 0; pn < panels; ++pn) {
       __m512i v[16];
@@ -274,8 +275,17 @@ void store_tiles(const float* acc, int64_t lda, int64_t rows, int64_t m, int64_t
         v[i] = i < cols ? _mm512_load_si512(acc + (pn * lda + rs + i) * 16) : _mm512_setzero_si512();
       transpose16(v);
       const int lanes = int(min64(16, m - pn * kPanel));
-      for (int l = 0; l < lanes; ++l)
-        store16<OutT>(out + (pn * kPanel + l) * n + r0 + rs, _mm512_add_ps(_mm512_castsi512_ps(v[l]), bv), cols);
+      for (int l = 0; l < lanes; ++l) {
+        OutT* dst = out + (pn * kPanel + l) * n + r0 + rs * stride;
+        const __m512 y = _mm512_add_ps(_mm512_castsi512_ps(v[l]), bv);
+        if (stride == 1) {
+          store16<OutT>(dst, y, cols);
+          continue;
+        }
+        alignas(64) float t[16];
+        _mm512_store_ps(t, y);
+        for (int i = 0; i < cols; ++i) store16<OutT>(dst + i * stride, _mm512_set1_ps(t[i]), 1);
+      }
     }
   }
 }
