@@ -222,11 +222,8 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
         const int64_t g0 = tile / S * group, u = tile % S, r0 = g0 + u;
         if (r0 >= n) break;
         const int64_t rows = min64(kWRows, (n - r0 + S - 1) / S);  // rows r0 + S i < n
-        if (u == 0) {
-          const int64_t b0 = (g0 * k) >> shift, b1 = (((min64(n, g0 + group)) * k - 1) >> shift) + 1;
-          scales.decode(b0, b1, sc);
-        }
-        const int64_t b0 = (g0 * k) >> shift;
+        const int64_t b0 = (g0 * k) >> shift;                      // the group's first block
+        if (u == 0) scales.decode(b0, ((min64(n, g0 + group) * k - 1) >> shift) + 1, sc);
         if (rows < kWRows) memset(ws + rows * (kSegK / 2), 0, size_t((kWRows - rows) * kSegK * 2));
         for (int64_t c0 = 0; c0 < k; c0 += kSegK) {
           const int64_t len = min64(kSegK, k - c0);

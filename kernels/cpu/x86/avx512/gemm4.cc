@@ -205,9 +205,6 @@ void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales
       for (int j = 0; j < 16; ++j) xt[c + 16 * i + j] = x[c + 8 * j + kElem[i]];
   const int shift = log2_exact(p.blocksize);
   const int64_t k = p.k;
-  // blocks of rows [r, r + count), and their scales' first block
-  const auto first_block = [&](int64_t r) { return (r * k) >> shift; };
-  const auto end_block = [&](int64_t r, int64_t count) { return (((r + count) * k - 1) >> shift) + 1; };
   parallel_for(ceil_div(p.n, kGemvRows), 8, [&](int64_t a, int64_t b) {
     const int64_t n0 = kGemvRows * a, n1 = std::min(p.n, kGemvRows * b);
     const int64_t run = (n1 - n0) / kGemvRows;  // rows per stream
@@ -216,16 +213,10 @@ void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales
     const float* sc[kGemvRows];
     for (int64_t i0 = 0; i0 < run; i0 += kStreamScaleRows) {
       const int64_t count = std::min(kStreamScaleRows, run - i0);
+      const int64_t next = std::min(kStreamScaleRows, run - i0 - count);
       for (int64_t j = 0; j < kGemvRows; ++j) {
-        if (const float* plain = scales.plain()) {  // read in place
-          sc[j] = plain;
-          continue;
-        }
-        const int64_t r = n0 + j * run + i0, b0 = first_block(r);
-        scales.decode(b0, end_block(r, count), rs + j * per_stream);
-        sc[j] = rs + j * per_stream - b0;
-        if (i0 + count < run)
-          scales.prefetch(end_block(r, count), end_block(r + count, std::min(kStreamScaleRows, run - i0 - count)));
+        const float* plain = scales.plain();  // read in place
+        sc[j] = plain ? plain : scales.decode_rows(n0 + j * run + i0, count, next, k, shift, rs + j * per_stream);
       }
       for (int64_t i = i0; i < i0 + count; ++i) {
         int64_t rows[kGemvRows];
@@ -234,12 +225,8 @@ void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales
       }
     }
     for (int64_t r = n0 + kGemvRows * run; r < n1; ++r) {  // the leftover rows
-      const float* one_sc = scales.plain();
-      if (one_sc == nullptr) {
-        const int64_t b0 = first_block(r);
-        scales.decode(b0, end_block(r, 1), rs);
-        one_sc = rs - b0;
-      }
+      const float* plain = scales.plain();
+      const float* one_sc = plain ? plain : scales.decode_rows(r, 1, 0, k, shift, rs);
       gemv128_rows<QT, 1, SHIFT>(p, xt, &one_sc, &r, false);
     }
   });

@@ -330,9 +330,10 @@ void rowdot(const Gemm4bitParams& p, const float* x, const Scales& /*scales*/) {
   // x86/avx512/gemm4.cc). The Xeon VM, 4096^2 nested, 32 layers cycled
   // through the C ABI, alternating rounds of both builds: from DRAM batch 2
   // 1.17-1.28 -> 0.95-1.03 ms, batch 4 1.55-1.76 -> 1.28-1.40, batch 8
-  // 2.42-2.65 -> 2.36-2.54; from L3 the same or up to 10% faster. A software prefetch of each stream's next row on top
-  // cost 9% from L3 at batch 2 and gained nothing from DRAM. A row's sums do
-  // not depend on the other rows of its tile: no output bit changes.
+  // 2.42-2.65 -> 2.36-2.54; from L3 the same or up to 10% faster. A software
+  // prefetch of each stream's next row on top cost 9% from L3 at batch 2 and
+  // gained nothing from DRAM. A row's sums do not depend on the other rows of
+  // its tile: no output bit changes.
   parallel_for(full + (p.n % R != 0), 4, [&](int64_t a, int64_t b) {
     const int64_t run = std::max<int64_t>(0, std::min(b, full) - a);  // rows per stream
     for (int64_t i = 0; i < run; ++i) rowdot_rows<QT, R, M, T>(p, xg, cb.scales, a * R + i, run);

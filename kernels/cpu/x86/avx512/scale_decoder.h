@@ -56,6 +56,16 @@ class ScaleDecoder {
         a_.nested() ? reinterpret_cast<const char*>(a_.nested_codes) : reinterpret_cast<const char*>(a_.absmax);
     for (int64_t o = b0 * size; o < b1 * size; o += 64) prefetch_stream(base + o);
   }
+  // The scales of W rows [r, r + count) (rows k elements long, blocks of
+  // 2^shift) into out, returned as a pointer indexed by global block (the
+  // returned p[b] = scale of block b); the next `next` rows' stored scales
+  // are asked for (prefetch), for the caller's following call.
+  const float* decode_rows(int64_t r, int64_t count, int64_t next, int64_t k, int shift, float* out) const {
+    const int64_t b0 = (r * k) >> shift, b1 = (((r + count) * k - 1) >> shift) + 1;
+    decode(b0, b1, out);
+    if (next > 0) prefetch(b1, (((r + count + next) * k - 1) >> shift) + 1);
+    return out - b0;
+  }
   // scales of blocks [b0, b1) into out[0, b1 - b0); with MUL, each times
   // mult (a second fp32 rounding, as if multiplied after the decode)
   template <bool MUL = false>

@@ -571,24 +571,17 @@ void gemv_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
           Elem<OutT>::store(out, j * n + r, res[s * m + j] + load_bias_as<BiasT>(p.bias, r));
       }
     };
-    const auto first_block = [&](int64_t r) { return (r * k) >> g.shift; };
-    const auto end_block = [&](int64_t r, int64_t count) { return (((r + count) * k - 1) >> g.shift) + 1; };
     for (int64_t i0 = 0; i0 < run; i0 += kGemvStreamRows) {
       const int64_t steps = min64(kGemvStreamRows, run - i0), next = min64(kGemvStreamRows, run - i0 - steps);
-      for (int j = 0; j < kGemvR; ++j) {  // stream j's rows [r, r + steps)
-        const int64_t r = n0 + j * run + i0, b0 = first_block(r);
-        scales.decode(b0, end_block(r, steps), sc + j * part);
-        bases[j] = sc + j * part - b0;
-        if (next > 0) scales.prefetch(end_block(r, steps), end_block(r + steps, next));
-      }
+      for (int j = 0; j < kGemvR; ++j)  // stream j's rows [n0 + j run + i0, + steps)
+        bases[j] = scales.decode_rows(n0 + j * run + i0, steps, next, k, g.shift, sc + j * part);
       compute(steps, true, [&](int64_t t) { return TileSet{n0 + i0 + t, run, bases, part}; });
       finish(steps * kGemvR, [&](int64_t s) { return n0 + (s % kGemvR) * run + i0 + s / kGemvR; });
     }
     const int64_t left = n0 + kGemvR * run;  // the rows left over, adjacent
     if (left < n1) {
-      const int64_t b0 = first_block(left);
-      scales.decode(b0, end_block(left, n1 - left), sc);
-      for (int j = 0; j < kGemvR; ++j) bases[j] = sc - b0;
+      const float* base = scales.decode_rows(left, n1 - left, 0, k, g.shift, sc);
+      for (int j = 0; j < kGemvR; ++j) bases[j] = base;
       compute(n1 - left, false, [&](int64_t t) { return TileSet{left + t, 1, bases, k >> g.shift}; });
       finish(n1 - left, [&](int64_t s) { return left + s; });
     }
