@@ -126,10 +126,11 @@ def test_blocking(rng, m, n, k, blocksize):
     grad(g, packed, state, w32, "float16", what=f"grad {(m, n, k)} fp16 out", kernel=GRAD)
 
 
-# From STREAMED_BYTES of packed W the W-major forward's tiles take every S-th
-# row of a group of S * 32 rows, S = min(4, 8192 // k) (kStreamedBytes,
-# kMaxRowStride there): partial groups and partial tiles, rows stored one by
-# one, the group's scales decoded once for its S tiles.
+# From STREAMED_BYTES of packed W and up to 32 x rows (two panels) the
+# W-major forward's tiles take every S-th row of a group of S * 32 rows, S =
+# min(4, 8192 // k) (kStreamedBytes, kMaxRowStride there): partial groups and
+# partial tiles, the rows' sums stored S columns apart (masked runs of 16),
+# the group's scales decoded once for its S tiles.
 STREAMED_BYTES = 4 << 20
 
 
@@ -140,6 +141,9 @@ STREAMED_BYTES = 4 << 20
         (3, 2051, 4096, 64),  # S = 2; a last group of 3 rows (tiles of 2 and 1)
         (17, 2800, 3072, 4096),  # S = 2; blocks straddle W rows; two x panels
         (4, 2049, 4160, 32),  # S = 1 (k / 2 bytes above a page): the adjacent tiles
+        (40, 1111, 8192, 64),  # S = 1 (k = 8192); three x panels
+        (32, 2083, 4096, 128),  # S = 2; two whole x panels; a last group of 35 rows (tiles of 18 and 17)
+        (37, 2083, 4096, 128),  # S = 1 from three x panels (the last partial)
     ],
 )
 def test_forward_spaced_tiles(rng, m, n, k, blocksize):
@@ -148,6 +152,10 @@ def test_forward_spaced_tiles(rng, m, n, k, blocksize):
     x = bf16_input(rng, (m, k))
     forward(x, packed, state, w32, "bfloat16", bf16_input(rng, (n,)), what=f"forward {(m, n, k)}", kernel=FWD)
     y = forward(x, packed, state, w32, "float32", None, what=f"forward {(m, n, k)} fp32 out", kernel=FWD)
+    # every output dtype's store: the same sums, rounded once
+    for out_dtype in ("bfloat16", "float16"):
+        got = forward(x, packed, state, w32, out_dtype, None, what=f"forward {(m, n, k)} {out_dtype}", kernel=FWD)
+        assert got.tobytes() == y.astype(got.dtype).tobytes(), out_dtype
     q4.set_num_threads(1)
     try:
         assert q4.gemm_4bit(x, packed, state, out_dtype="float32").tobytes() == y.tobytes()

@@ -98,6 +98,7 @@ constexpr int64_t kMinM = 3;                          // x rows from which the t
 constexpr int64_t kWRows = 32;                        // W rows per decoded W tile (two A tiles)
 constexpr int64_t kMaxRowStride = 4;                  // forward: a W tile's rows at most this many rows apart
 constexpr int64_t kStreamedBytes = int64_t(4) << 20;  // forward: from this many bytes of W its tiles take spaced rows
+static_assert(kMaxRowStride <= kMaxStoreStride, "store_tiles stores rows at most kMaxStoreStride apart");
 constexpr int64_t kSegK = 256;  // W columns decoded per segment (32 rows: 16 KiB of bf16, stays in L1)
 constexpr int64_t kXBlockBytes = int64_t(3) << 19;  // x panels kept in L2 while the W tiles pass (1.5 MiB)
 constexpr int64_t kAmxStrip = 256;  // gradient: dX columns per strip (two whole 64-byte lines of each W row)
@@ -207,8 +208,13 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   // through the C ABI, alternating rounds of both builds: from DRAM batch 4
   // 0.94-1.05 -> 0.88-0.99 ms, batch 8 1.01-1.02 -> 0.94-0.97, batch 16 0.96
   // -> 0.94; from L3 3-4% faster at 4 and 8. (The rest of the DRAM penalty,
-  // 0.3 ms, is not the pages: kernels/README.md.)
-  const int64_t S = n * k / 2 >= kStreamedBytes ? min64(kMaxRowStride, max64(1, 8192 / k)) : 1, group = S * kWRows;
+  // 0.3 ms, is not the pages: kernels/README.md.) Only up to one panel pair
+  // (32 x rows, W decoded once, its tiles' products short): with more panels
+  // the spaced tiles measured slower (bf16 x, 512 rows, alternating rounds:
+  // 4-32% from L3, 64 rows up to 10%; the rows' 4 KiB spacing puts a tile's
+  // segment lines in the same L1 sets).
+  const int64_t S = panels <= 2 && n * k / 2 >= kStreamedBytes ? min64(kMaxRowStride, max64(1, 8192 / k)) : 1;
+  const int64_t group = S * kWRows;
   parallel_for(ceil_div(n, group), 1, [&](int64_t t0, int64_t t1) {
     configure_tiles();
     const int64_t sc_count = ((group * k) >> shift) + 4;

@@ -258,8 +258,13 @@ inline void decode_pair(const uint8_t* __restrict packed, const float* __restric
 
 // acc[(panel * lda + r) * 16 + lane] (the tiled forward's sums of W rows
 // r < rows and the 16 x rows of each panel) plus the bias -> out[panel * 16 +
-// lane][r0 + r * stride], for the m x rows (stride > 1: the W rows of a tile
-// that takes every stride-th row, stored one by one with the same rounding).
+// lane][r0 + r * stride], for the m x rows. stride > 1 (1 <= stride <=
+// kMaxStoreStride: the W rows of a tile that takes every stride-th row): the
+// (cols - 1) * stride + 1 output columns of 16 sums are stored in runs of 16,
+// each run's sums moved to their columns by one permute and stored under the
+// mask of those columns, with the same rounding (the other columns are other
+// tiles').
+constexpr int64_t kMaxStoreStride = 16;
 template <typename OutT, typename BiasT>
 void store_tiles(const float* acc, int64_t lda, int64_t rows, int64_t m, int64_t n, int64_t r0, const void* bias,
                  OutT* out, int64_t stride = 1) {
@@ -269,6 +274,15 @@ void store_tiles(const float* acc, int64_t lda, int64_t rows, int64_t m, int64_t
     alignas(64) float b[16] = {};
     for (int i = 0; i < cols; ++i) b[i] = load_bias_as<BiasT>(bias, r0 + (rs + i) * stride);
     const __m512 bv = _mm512_load_ps(b);
+    const int runs = stride == 1 ? 1 : int(((cols - 1) * stride) / 16 + 1);
+    alignas(64) int32_t index[kMaxStoreStride][16];
+    __mmask16 mask[kMaxStoreStride] = {};
+    for (int q = 0; stride > 1 && q < runs; ++q)
+      for (int l = 0; l < 16; ++l) {
+        const int64_t col = 16 * q + l, i = col / stride;
+        index[q][l] = int32_t(min64(i, 15));
+        if (col % stride == 0 && i < cols) mask[q] = __mmask16(mask[q] | (1u << l));
+      }
     for (int64_t pn = 0; pn < panels; ++pn) {
       __m512i v[16];
       for (int i = 0; i < 16; ++i)
@@ -282,9 +296,8 @@ void store_tiles(const float* acc, int64_t lda, int64_t rows, int64_t m, int64_t
           store16<OutT>(dst, y, cols);
           continue;
         }
-        alignas(64) float t[16];
-        _mm512_store_ps(t, y);
-        for (int i = 0; i < cols; ++i) store16<OutT>(dst + i * stride, _mm512_set1_ps(t[i]), 1);
+        for (int q = 0; q < runs; ++q)
+          store16_mask<OutT>(dst + 16 * q, _mm512_permutexvar_ps(_mm512_load_si512(index[q]), y), mask[q]);
       }
     }
   }
