@@ -227,9 +227,10 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
       for (int64_t tile = t0 * S; tile < t1 * S; ++tile) {
         const int64_t g0 = tile / S * group, u = tile % S, r0 = g0 + u;
         if (r0 >= n) break;
-        const int64_t rows = min64(kWRows, (n - r0 + S - 1) / S);  // rows r0 + S i < n
-        const int64_t b0 = (g0 * k) >> shift;                      // the group's first block
-        if (u == 0) scales.decode(b0, ((min64(n, g0 + group) * k - 1) >> shift) + 1, sc);
+        const int64_t rows = min64(kWRows, (n - r0 + S - 1) / S);                      // rows r0 + S i < n
+        const BlockSpan blocks = row_blocks(g0, min64(n, g0 + group) - g0, k, shift);  // the group's blocks
+        const int64_t b0 = blocks.first;
+        if (u == 0) scales.decode(blocks.first, blocks.end, sc);
         if (rows < kWRows) memset(ws + rows * (kSegK / 2), 0, size_t((kWRows - rows) * kSegK * 2));
         for (int64_t c0 = 0; c0 < k; c0 += kSegK) {
           const int64_t len = min64(kSegK, k - c0);
@@ -434,7 +435,8 @@ void forward_rows(const Gemm4bitParams& p, const ScaleDecoder& scales) {
         const int64_t ge = min64(t1, ga + group);
         for (int64_t tile = ga; tile < ge; ++tile) {
           const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
-          const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+          const BlockSpan blocks = row_blocks(r0, rows, k, shift);
+          const int64_t b0 = blocks.first, b1 = blocks.end;
           scales.decode(b0, b1, sc);
           decode_b_tiles<TWO>(p.packed, k, shift, codes, sc, b0, r0, rows, wb + (tile - ga) * tb);
           for (int64_t j = 0; j < kWRows; ++j)
@@ -990,7 +992,8 @@ bool forward_split(const Gemm4bitParams& p, const float* xf, const ScaleDecoder&
       const bool one = qe - q0 == 1;  // one panel: C stays in the tile registers over all of k
       for (int64_t tile = t0; tile < t1; ++tile) {
         const int64_t r0 = tile * kWRows, rows = min64(kWRows, n - r0);
-        const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+        const BlockSpan blocks = row_blocks(r0, rows, k, shift);
+        const int64_t b0 = blocks.first, b1 = blocks.end;
         scales.decode(b0, b1, sc);
         if (!scales_in_range(sc, b1 - b0)) {
           bad.store(true, std::memory_order_relaxed);

@@ -19,6 +19,15 @@ namespace q4 {
 namespace cpu {
 namespace {
 
+// The blocks [first, end) (blocksize 2^shift) that hold W rows [r, r + count)
+// of k elements each; a block may straddle two rows.
+struct BlockSpan {
+  int64_t first, end;
+};
+inline BlockSpan row_blocks(int64_t r, int64_t count, int64_t k, int shift) {
+  return {(r * k) >> shift, (((r + count) * k - 1) >> shift) + 1};
+}
+
 class ScaleDecoder {
  public:
   explicit ScaleDecoder(const Absmax4& a) : a_(a), vbmi_(a.nested() && vbmi_scale_decode()) {
@@ -61,10 +70,10 @@ class ScaleDecoder {
   // returned p[b] = scale of block b); the next `next` rows' stored scales
   // are asked for (prefetch), for the caller's following call.
   const float* decode_rows(int64_t r, int64_t count, int64_t next, int64_t k, int shift, float* out) const {
-    const int64_t b0 = (r * k) >> shift, b1 = (((r + count) * k - 1) >> shift) + 1;
-    decode(b0, b1, out);
-    if (next > 0) prefetch(b1, (((r + count + next) * k - 1) >> shift) + 1);
-    return out - b0;
+    const BlockSpan s = row_blocks(r, count, k, shift);
+    decode(s.first, s.end, out);
+    if (next > 0) prefetch(s.end, row_blocks(r + count, next, k, shift).end);
+    return out - s.first;
   }
   // scales of blocks [b0, b1) into out[0, b1 - b0); with MUL, each times
   // mult (a second fp32 rounding, as if multiplied after the decode)

@@ -668,7 +668,8 @@ void tiled_path(const Gemm4bitParams& p, const ScaleDecoder& scales) {
     const int64_t row_groups = ceil_div(tile_n, kMicroR), panel_groups = ceil_div(panels, kMicroQ);
     for (int64_t tile = t0; tile < t1; ++tile) {
       const int64_t r0 = tile * tile_n, rows = min64(tile_n, n - r0);
-      const int64_t b0 = (r0 * k) >> shift, b1 = (((r0 + rows) * k - 1) >> shift) + 1;
+      const BlockSpan blocks = row_blocks(r0, rows, k, shift);
+      const int64_t b0 = blocks.first, b1 = blocks.end;
       scales.decode(b0, b1, sc);
       memset(acc, 0, size_t(panels * kTileN * 16) * sizeof(float));
       auto decoder = [&](int64_t c0, uint32_t* wt) {

@@ -198,7 +198,8 @@ void decode_chunk_scales(const Gemm4bitParams& p, const ScaleDecoder& scales, in
                          float* sw, float* block_scales) {
   const int64_t k = p.k, nbk = k / ba;
   const int shift = log2_exact(p.blocksize);
-  const int64_t first = (n0 * k) >> shift, end = (((n0 + rows) * k - 1) >> shift) + 1;
+  const BlockSpan blocks = row_blocks(n0, rows, k, shift);
+  const int64_t first = blocks.first, end = blocks.end;
   if (p.blocksize == ba) {  // one weight block per activation block, in the same order
     scales.decode<true>(first, end, sw, w4a8::inv_table_scale<QT>());
     return;
