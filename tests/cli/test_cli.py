@@ -79,7 +79,7 @@ def bnb_state(w: np.ndarray, quant_type: str, blocksize, nested) -> dict[str, np
 def oracle_rel_error(w: np.ndarray, state: dict[str, np.ndarray], quant_type: str) -> float:
     """||W - dequantize(W)|| / ||W||, decoded by the independent numpy oracle
     (bitsandbytes' own CPU dequantize mis-decodes blocks that straddle rows)."""
-    from reference import oracle
+    from q4_reference import oracle
 
     if quant_type == "int8":
         approx = state["weight"].astype(np.float64) * state["SCB"].astype(np.float64)[:, None] / 127
@@ -449,3 +449,31 @@ def test_version_and_repeatable_options(source, tmp_path, capsys):
     assert "blocks.0.attn.weight.absmax" in keys
     capsys.readouterr()
     assert main(["parity", "--layer", "blocks.0.attn", str(out)]) == 0
+
+
+@pytest.mark.parametrize("option", [["--blocksize", "100"], ["--blocksize", "64"], ["--no-nested"]])
+def test_int8_refuses_the_4bit_options(source, tmp_path, capsys, option):
+    """int8 scales each row: a block size (even the 4-bit default) or --no-nested would be
+    ignored in silence, so the command refuses them and writes nothing."""
+    src, _ = source
+    out = tmp_path / "q.safetensors"
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", str(src), str(out), "--type", "int8", *option])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert option[0] in err and "int8 " in err and "4-bit" in err, err
+    assert not out.exists()
+
+
+def test_inspect_into_a_closed_pipe(source, tmp_path):
+    """`q4 inspect ... | head`: the reader leaving early ends the command quietly, with the
+    status a pipeline's writer killed by SIGPIPE has (128 + 13), not a BrokenPipeError."""
+    src, _ = source
+    q = tmp_path / "q.safetensors"
+    assert main(["quantize", str(src), str(q)]) == 0
+    script = Path(sys.executable).with_name("q4")
+    p = subprocess.Popen([script, "inspect", str(q)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the command (still importing) has written anything
+    err = p.stderr.read()
+    p.stderr.close()
+    assert p.wait(timeout=60) == 141 and err == b"", err

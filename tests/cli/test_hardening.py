@@ -476,9 +476,13 @@ def _float_source(path: Path, n: int = 4) -> Path:
 
 
 _PAUSED_QUANTIZE = """
-import sys, time
+import signal, sys, time
 import q4._src.convert as convert
 from q4.cli import main
+
+# dispositions set here, not inherited: under nohup the test runner's SIGHUP is ignored
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if sys.argv[3] == "nohup" else signal.SIG_DFL)
 
 real, calls = convert._quantize_one, []
 
@@ -496,9 +500,11 @@ sys.exit(main(["quantize", sys.argv[1], sys.argv[2]]))
 _TMP_NAME = re.compile(r"\.q\.safetensors\.q4tmp-(\d+)-[0-9a-f]{8}")
 
 
-def _start_paused(src: Path, out: Path) -> subprocess.Popen:
-    p = subprocess.Popen(
-        [sys.executable, "-c", _PAUSED_QUANTIZE, str(src), str(out)],
+def _start_paused(spawn, src: Path, out: Path, hup: str = "default") -> subprocess.Popen:
+    """`q4 quantize src out` paused after its first layer, SIGHUP at `hup` ("default", or
+    "nohup": ignored, as the nohup command leaves it)."""
+    p = spawn(
+        [sys.executable, "-c", _PAUSED_QUANTIZE, str(src), str(out), hup],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -509,12 +515,12 @@ def _start_paused(src: Path, out: Path) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_sigterm_during_quantize_cleans_up(tmp_path, sig):
+def test_sigterm_during_quantize_cleans_up(tmp_path, spawn, sig):
     src = _float_source(tmp_path / "in.safetensors")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "q.safetensors").write_bytes(b"previous")
-    p = _start_paused(src, out_dir / "q.safetensors")
+    p = _start_paused(spawn, src, out_dir / "q.safetensors")
     temps = [n for n in os.listdir(out_dir) if _TMP_NAME.fullmatch(n)]
     assert len(temps) == 1 and int(_TMP_NAME.fullmatch(temps[0])[1]) == p.pid, os.listdir(out_dir)
     p.send_signal(sig)
@@ -524,10 +530,25 @@ def test_sigterm_during_quantize_cleans_up(tmp_path, sig):
     assert os.listdir(out_dir) == ["q.safetensors"] and (out_dir / "q.safetensors").read_bytes() == b"previous"
 
 
-def test_sigkill_leftovers_are_removed_by_the_next_run(tmp_path, capsys):
+def test_under_nohup_sighup_is_left_ignored(tmp_path, spawn):
+    """Started under nohup (SIGHUP ignored), the command keeps SIGHUP ignored and runs on;
+    a later SIGTERM still stops it cleanly."""
     src = _float_source(tmp_path / "in.safetensors")
     out = tmp_path / "q.safetensors"
-    p = _start_paused(src, out)
+    p = _start_paused(spawn, src, out, hup="nohup")
+    p.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(timeout=1)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM and err.strip() == "q4: terminated (SIGTERM)", err
+    assert sorted(os.listdir(tmp_path)) == ["in.safetensors"]
+
+
+def test_sigkill_leftovers_are_removed_by_the_next_run(tmp_path, spawn, capsys):
+    src = _float_source(tmp_path / "in.safetensors")
+    out = tmp_path / "q.safetensors"
+    p = _start_paused(spawn, src, out)
     p.kill()
     p.communicate(timeout=60)
     assert p.returncode == -signal.SIGKILL

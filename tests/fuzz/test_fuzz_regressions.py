@@ -7,23 +7,12 @@ tests/kernels/test_sizes.py.)"""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from q4_testing.fuzz import fuzz_target
 
 HERE = Path(__file__).resolve().parent
-
-
-@functools.cache
-def _target(name: str):
-    spec = importlib.util.spec_from_file_location(f"q4_fuzz_{name}", HERE / f"fuzz_{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _inputs(name: str) -> list[Path]:
@@ -60,4 +49,4 @@ def test_seeds_are_valid_checkpoints():
 
 @pytest.mark.parametrize("path", CHECKPOINT_INPUTS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
 def test_replay_checkpoint(path):
-    _target("checkpoint").check(path.read_bytes())
+    fuzz_target("checkpoint").check(path.read_bytes())

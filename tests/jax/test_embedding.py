@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from reference import inputs, oracle
-from reference.matmul import rel_err
+from q4_reference import inputs, oracle
+from q4_reference.matmul import rel_err
 
 import q4jax
 from q4._src import formats

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import inputs
+from q4_reference import inputs
 
 import q4
 import q4jax

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from reference import inputs
+from q4_reference import inputs
 
 import q4jax
 from q4jax import quantize_int8_weight  # the public name (README: the producer of matmul_8bit's cb, scb)

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import inputs
-from reference.matmul import check_against_baseline, rel_err
+from q4_reference import inputs
+from q4_reference.matmul import check_against_baseline, rel_err
 
 import q4jax
 

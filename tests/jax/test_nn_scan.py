@@ -10,7 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from reference import inputs
+from q4_reference import inputs
 
 import q4jax
 from q4jax.nn import Linear4bit, Linear8bit

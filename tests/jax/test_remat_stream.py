@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import inputs
+from q4_reference import inputs
 
 import q4jax
 

@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from reference import inputs, oracle
+from q4_reference import inputs, oracle
 
 import q4
 

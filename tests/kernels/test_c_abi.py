@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import oracle
+from q4_reference import oracle
 
 from q4._src import native
 

@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 import pytest
-from reference import inputs
+from q4_reference import inputs
 
 from q4._src import formats
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from reference import oracle
+from q4_reference import oracle
 
 import q4
 

@@ -4,8 +4,8 @@ AVX2; bad input."""
 
 import numpy as np
 import pytest
-from reference import inputs
-from reference.matmul import check_against_baseline, quantized_weight, rel_err
+from q4_reference import inputs
+from q4_reference.matmul import check_against_baseline, quantized_weight, rel_err
 
 import q4
 

@@ -26,19 +26,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import on_isa
-from kernels.test_gemm4_bf16 import (
+from q4_reference.bf16_gemm import (
     BF16,
     FORMATS,
     TINY,
     bf16_exact,
     bf16_input,
+    check_rows_independent,
     check_thread_counts_agree,
     forward,
     grad,
     last_kernels,
 )
-from reference.matmul import check_accumulation_bound
-from reference.matmul import quantized_weight as make_weight
+from q4_reference.matmul import check_accumulation_bound
+from q4_reference.matmul import quantized_weight as make_weight
 
 import q4
 
@@ -211,24 +212,6 @@ def test_nan_inf_and_denormal_inputs(rng, m):
 @pytest.mark.parametrize("m", [8, 17, 40, 130])
 def test_bit_identical_across_thread_counts(rng, m):
     check_thread_counts_agree(rng, m, 203, 1216, (fwd_kernel(m, 1216), GRAD))
-
-
-def check_rows_independent(rng, call, a, cut, op, kernel):
-    """call(a) computes each output row from its row of a alone, in one
-    order, wherever the row sits (read in place, or in the packed rows after
-    the last whole 32-row pair): permuting the rows permutes the output
-    bytes, and the rows from `cut` on have the same bytes in a shorter batch;
-    `kernel` ran op each time."""
-
-    def run(b):
-        out = call(b)
-        assert last_kernels()[op] == kernel, len(b)
-        return out
-
-    y = run(a)
-    perm = rng.permutation(len(a))
-    assert run(a[perm]).tobytes() == y[perm].tobytes()
-    assert run(a[cut:]).tobytes() == y[cut:].tobytes()
 
 
 @pytest.mark.parametrize("n", [128, 96, 1600])  # dY read in place; in place with a 16-row tail group; packed

@@ -3,7 +3,7 @@ gemm4_tiled.cc: the forward for m >= 2 and the input gradient), through q4's
 numpy API, against an fp64 oracle of the fp32 contract.
 
 The contract: each W element is decode(nibble) * scale(block) in fp32 -- the
-value dequantize_4bit returns (here: tests/reference/oracle.py's dequantize) --
+value dequantize_4bit returns (here: tests/q4_reference/oracle.py's dequantize) --
 products and sums in fp32 (FMA allowed), the bias added in fp32, one rounding
 to the output dtype. A 16-bit input is widened exactly to fp32 first (on the
 avx512 level a bf16 input reaches these kernels too: the bf16-compute kernels
@@ -23,8 +23,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from reference.matmul import check_accumulation_bound
-from reference.matmul import quantized_weight as make_weight
+from q4_reference.matmul import check_accumulation_bound
+from q4_reference.matmul import quantized_weight as make_weight
 
 import q4
 

@@ -6,7 +6,7 @@ fp32 value decode(nibble) * scale(block) -- what dequantize_4bit returns --
 rounded once to bf16 (round to nearest even); products of the bf16 input and
 bf16 W are summed in fp32; the bias is added in fp32; the sum is rounded once
 to the output dtype. The oracle below is written from that definition and
-tests/reference/oracle.py's dequantize, not from the kernels.
+tests/q4_reference/oracle.py's dequantize, not from the kernels.
 
 Error bound, derived: every product of two bf16 values is exact in fp32 (8 + 8
 significand bits), so the fp32 result is a sum of L exact terms (L = the
@@ -28,62 +28,32 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
-from reference.matmul import check_accumulation_bound
-from reference.matmul import quantized_weight as make_weight
+from q4_reference.bf16_gemm import (
+    BF16,
+    FORMATS,
+    KERNEL_FWD,
+    KERNEL_GRAD,
+    TINY,
+    WIDE_SEGMENTS,
+    bf16_exact,
+    bf16_input,
+    check,
+    check_thread_counts_agree,
+    forward,
+    grad,
+    last_kernels,
+    wide_weight,
+)
+from q4_reference.matmul import quantized_weight as make_weight
 
 import q4
-
-BF16 = ml_dtypes.bfloat16
-TINY = 2.0**-126
-NP_DTYPE = {"float32": np.float32, "bfloat16": BF16, "float16": np.float16}
-KERNEL_FWD, KERNEL_GRAD = "avx512_bf16.gemm4", "avx512_bf16.grad4"
 
 # every test on the avx512_bf16 level (whatever Q4_ISA says), all threads; not run,
 # named, on a processor without it
 ISA = "avx512_bf16"
 pytestmark = pytest.mark.usefixtures("module_isa")
-
-
-def last_kernels() -> dict:
-    return q4.cpu_features()["last_kernel"]
-
-
-def flush(a64: np.ndarray) -> np.ndarray:
-    """Values below 2^-126 in magnitude (denormals) as zero."""
-    return np.where(np.abs(a64) < TINY, 0.0, a64)
-
-
-def bf16_exact(a) -> np.ndarray:
-    """fp32 values rounded once to bf16 (nearest even), as fp64, denormals as zero."""
-    return flush(np.asarray(a, np.float32).astype(BF16).astype(np.float64))
-
-
-def check(got, a64, b64, length, out_dtype, bias=None, what=""):
-    """got ~ a64 @ b64 (+ bias) within the contract's bound (module docstring)."""
-    check_accumulation_bound(got, a64, b64, length, out_dtype, bias, TINY, what)
-
-
-def forward(x, packed, state, w32, out_dtype, bias=None, what="", kernel=KERNEL_FWD):
-    y = q4.gemm_4bit(x, packed, state, bias=bias, out_dtype=out_dtype)
-    assert y.dtype == NP_DTYPE[out_dtype]
-    assert last_kernels()["gemm_4bit"] == kernel, what
-    check(y, flush(x.astype(np.float64)), bf16_exact(w32).T, x.shape[1], out_dtype, bias, what)
-    return y
-
-
-def grad(g, packed, state, w32, out_dtype, what="", kernel=KERNEL_GRAD):
-    dx = q4.gemm_4bit_grad_input(g, packed, state, out_dtype=out_dtype)
-    assert dx.dtype == NP_DTYPE[out_dtype]
-    assert last_kernels()["gemm_4bit_grad_input"] == kernel, what
-    check(dx, flush(g.astype(np.float64)), bf16_exact(w32), g.shape[1], out_dtype, None, what)
-    return dx
-
-
-def bf16_input(rng, shape, scale=3.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(BF16)
 
 
 # m covers the gemv path (m <= 24: one pass for m <= 4, W row pairs against 5-8
@@ -92,7 +62,6 @@ def bf16_input(rng, shape, scale=3.0):
 # the dot products); n and k are not multiples of any tile size (but k % 64 ==
 # 0, the kernels' condition).
 BATCHES = (1, 2, 3, 5, 8, 17, 24, 25, 64, 130)
-FORMATS = [(qt, nested, bs) for qt in ("nf4", "fp4") for nested in (False, True) for bs in (32, 64, 256, 4096)]
 
 
 @pytest.mark.parametrize("quant_type, nested, blocksize", FORMATS)
@@ -227,32 +196,6 @@ def test_denormal_inputs_count_as_zero(rng):
     )
 
 
-def check_thread_counts_agree(rng, m, n, k, kernels=None, sample=bf16_input):
-    """The forward (fp32 and the input's dtype out, with a bias) and the input
-    gradient on 1, 2 and 3 threads: the same bytes each time; `kernels`
-    (forward, gradient), when given, are the kernels that must have run;
-    sample(rng, shape) makes the inputs (bf16 by default)."""
-    packed, state, _ = make_weight(rng, n, k, 64, "nf4", True)
-    x = sample(rng, (m, k))
-    g = sample(rng, (m, n))
-    bias = sample(rng, (n,))
-    outs = []
-    for threads in (1, 2, 3):
-        q4.set_num_threads(threads)
-        outs.append(
-            (
-                q4.gemm_4bit(x, packed, state, bias=bias, out_dtype="float32"),
-                q4.gemm_4bit(x, packed, state),
-                q4.gemm_4bit_grad_input(g, packed, state, out_dtype="float32"),
-            )
-        )
-        if kernels is not None:
-            assert (last_kernels()["gemm_4bit"], last_kernels()["gemm_4bit_grad_input"]) == kernels
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other, strict=True):
-            assert a.tobytes() == b.tobytes()
-
-
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 16, 17, 29, 130])
 def test_bit_identical_across_thread_counts(rng, m):
     # 1-2 rows: 128-element chunks; 8: two k segments on a 48 KiB L1D
@@ -262,15 +205,6 @@ def test_bit_identical_across_thread_counts(rng, m):
 # 5-8 x rows ("wide") split k into segments of x only on a processor with a
 # 48 KiB L1D (gemm4.cc kWideSegmentL1d); Q4_L1D_BYTES stands in for the cache
 # size, so both ways run on any processor: (m, n, k) and the segments they make.
-WIDE_SEGMENTS = [(8, 67, 4288), (7, 61, 4160), (5, 130, 6592)]  # 2048 x 2 + 192; 2304 + 1856; 3264 x 2 + 64
-
-
-def wide_weight(i: int):
-    """Weight i of WIDE_SEGMENTS (packed, state, w32), the same in every process."""
-    _, n, k = WIDE_SEGMENTS[i]
-    return make_weight(np.random.default_rng(100 + i), n, k, 64, "nf4", True)
-
-
 def wide_outputs(l1d_bytes: int, inputs: Path, tmp_path: Path) -> dict:
     """The wide shapes' forward outputs for the bf16 x rows saved in `inputs`
     (x0, x1, ... as their uint16 bits: npz keeps no bf16 dtype), from a fresh
@@ -280,7 +214,7 @@ def wide_outputs(l1d_bytes: int, inputs: Path, tmp_path: Path) -> dict:
     code = (
         "import numpy as np\n"
         "import q4\n"
-        "from kernels.test_gemm4_bf16 import BF16, WIDE_SEGMENTS, wide_weight\n"
+        "from q4_reference.bf16_gemm import BF16, WIDE_SEGMENTS, wide_weight\n"
         "q4.set_cpu_isa('avx512_bf16')\n"
         "res = {'l1d': np.int64(q4.cpu_features()['l1d_bytes'])}\n"
         f"xs = np.load({str(inputs)!r})\n"

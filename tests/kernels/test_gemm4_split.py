@@ -22,9 +22,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import on_isa
-from kernels.test_gemm4_bf16 import FORMATS, check_thread_counts_agree, last_kernels
-from reference.matmul import check_accumulation_bound
-from reference.matmul import quantized_weight as make_weight
+from q4_reference.bf16_gemm import FORMATS, check_thread_counts_agree, last_kernels
+from q4_reference.matmul import check_accumulation_bound
+from q4_reference.matmul import quantized_weight as make_weight
 
 import q4
 

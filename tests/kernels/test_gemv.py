@@ -6,7 +6,7 @@ a row (rows start inside a block)."""
 
 import numpy as np
 import pytest
-from reference.matmul import quantized_weight
+from q4_reference.matmul import quantized_weight
 
 import q4
 

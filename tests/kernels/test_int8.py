@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import on_isa
-from reference import inputs
-from reference import int8_oracle as oracle
+from q4_reference import inputs
+from q4_reference import int8_oracle as oracle
 
 import q4
 

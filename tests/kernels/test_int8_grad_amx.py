@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernels.test_gemm4_amx import check_rows_independent
-from kernels.test_gemm4_bf16 import BF16, TINY, bf16_input, last_kernels
-from reference import inputs
-from reference import int8_oracle as oracle
-from reference.matmul import check_accumulation_bound
+from q4_reference import inputs
+from q4_reference import int8_oracle as oracle
+from q4_reference.bf16_gemm import BF16, TINY, bf16_input, check_rows_independent, last_kernels
+from q4_reference.matmul import check_accumulation_bound
 
 import q4
 

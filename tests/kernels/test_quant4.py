@@ -4,7 +4,7 @@ against the reference oracle and bitsandbytes 0.50.2: exact bytes and values."""
 import numpy as np
 import pytest
 import torch
-from reference import inputs, oracle
+from q4_reference import inputs, oracle
 
 import q4
 

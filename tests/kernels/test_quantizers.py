@@ -1,5 +1,5 @@
 """The error-minimising 4-bit quantizers (q4/_src/quantizers.py: mse, gptq)
-against an independent oracle (tests/reference/oracle.py's encoder and
+against an independent oracle (tests/q4_reference/oracle.py's encoder and
 dequantizer, written from the format), the plain kernel, and bitsandbytes'
 decoder: the bytes are the bitsandbytes format, every block's scale is the
 best candidate, and GPTQ lowers the calibration error."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from reference import oracle
+from q4_reference import oracle
 
 import q4
 from q4._src import quantizers as Q

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz import fuzz_c_abi
+from q4_testing.fuzz import fuzz_target
 
 from q4._src import native
+
+fuzz_c_abi = fuzz_target("c_abi")
 
 CORPUS = Path(__file__).resolve().parent.parent / "fuzz" / "corpus" / "c_abi"
 HUGE = 2**62 + 1

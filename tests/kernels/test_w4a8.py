@@ -1,5 +1,5 @@
 """W4A8 (gemm_4bit_w4a8, activation_quant='int8'): every CPU kernel against the
-numpy oracle of its contract (tests/reference/oracle.py, written from
+numpy oracle of its contract (tests/q4_reference/oracle.py, written from
 kernels/include/q4/w4a8.h and README "W4A8"), byte for byte: the integer
 block sums are exact and every fp32 step is one rounded operation in a fixed
 order, so any correct kernel gives these bits, whatever the thread count."""
@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import on_isa
-from reference import oracle
-from reference.matmul import quantized_weight
+from q4_reference import oracle
+from q4_reference.matmul import quantized_weight
 
 import q4
 

@@ -10,7 +10,7 @@ import pytest
 import safetensors.numpy
 import torch
 from flax import nnx
-from reference import inputs
+from q4_reference import inputs
 
 import q4
 import q4jax

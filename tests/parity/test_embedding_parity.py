@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from reference import inputs
-from reference.matmul import rel_err
+from q4_reference import inputs
+from q4_reference.matmul import rel_err
 
 import q4
 import q4jax

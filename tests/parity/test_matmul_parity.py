@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from reference import inputs
+from q4_reference import inputs
 
 import q4jax
 import q4torch

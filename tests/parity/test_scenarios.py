@@ -7,9 +7,9 @@ import weakref
 
 import numpy as np
 import pytest
-from parity.adapters import ADAPTERS
-from reference import inputs
-from reference.matmul import check_against_baseline
+from q4_reference import inputs
+from q4_reference.matmul import check_against_baseline
+from q4_testing.adapters import ADAPTERS
 
 from q4.parity import Spec
 
@@ -144,9 +144,9 @@ def _check_int8_output(y, x32, w_deq, bias, dtype, what):
 
 def _dequantized(state) -> np.ndarray:
     """The 4-bit weight of a saved state as fp32, decoded by the oracle's
-    arithmetic (tests/reference/oracle.py) from the bytes and scales; the
+    arithmetic (tests/q4_reference/oracle.py) from the bytes and scales; the
     library only parses the entries."""
-    from reference import oracle
+    from q4_reference import oracle
 
     import q4
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from reference import inputs
+from q4_reference import inputs
 
 import q4jax
 import q4torch

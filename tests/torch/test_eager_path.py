@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import inputs
+from q4_reference import inputs
 
 from q4torch import functional as F
 from q4torch._src import ops

@@ -12,7 +12,7 @@ import bitsandbytes as bnb
 import numpy as np
 import pytest
 import torch
-from reference import inputs, oracle
+from q4_reference import inputs, oracle
 
 import q4torch
 import q4torch.functional as q4f

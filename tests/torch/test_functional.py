@@ -5,7 +5,7 @@ import bitsandbytes.functional as bnbf
 import numpy as np
 import pytest
 import torch
-from reference import inputs
+from q4_reference import inputs
 
 import q4
 import q4torch.functional as F

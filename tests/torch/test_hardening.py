@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from reference import inputs, oracle
+from q4_reference import inputs, oracle
 
 import q4torch
 from q4torch import functional as F

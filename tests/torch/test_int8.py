@@ -4,8 +4,8 @@ differentiable int8 linear, and errors for bad input."""
 import bitsandbytes.functional as bnbf
 import pytest
 import torch
-from reference import inputs
-from reference.matmul import rel_err
+from q4_reference import inputs
+from q4_reference.matmul import rel_err
 
 import q4
 import q4torch.functional as F

@@ -8,8 +8,8 @@ import weakref
 import bitsandbytes as bnb
 import pytest
 import torch
-from reference import inputs
-from reference.matmul import rel_err
+from q4_reference import inputs
+from q4_reference.matmul import rel_err
 
 import q4torch.functional as q4f
 from q4torch.nn import Linear4bit, LinearFP4, LinearNF4, Params4bit

@@ -11,7 +11,7 @@ import weakref
 import bitsandbytes as bnb
 import pytest
 import torch
-from reference import inputs
+from q4_reference import inputs
 
 from q4torch.nn import Int8Params, Linear8bitLt
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from reference import inputs
-from reference.matmul import check_against_baseline
+from q4_reference import inputs
+from q4_reference.matmul import check_against_baseline
 
 import q4torch
 import q4torch.functional as F

@@ -12,7 +12,7 @@ import copy
 import bitsandbytes as bnb
 import pytest
 import torch
-from reference import inputs
+from q4_reference import inputs
 
 from q4torch.nn import Linear4bit
 

@@ -208,3 +208,13 @@ def test_weight_rewriting_inits_are_refused():
 def test_register_takes_a_lora_config():
     with pytest.raises(TypeError, match="LoraConfig"):
         qpeft.register({"r": 8})
+
+
+def test_merge_and_dequantize_after_merge_and_unload_raises():
+    """merge_and_unload() already merged the adapters (and quantized the result again):
+    merge_and_dequantize on what it left must say so, not return a 4-bit model as if merged."""
+    model = peft_net("nf4", use_dora=False)
+    randomise_adapters(model)
+    model.merge_and_unload()
+    with pytest.raises(ValueError, match="no q4 LoRA layer.*before merge_and_unload"):
+        qpeft.merge_and_dequantize(model)

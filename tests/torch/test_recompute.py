@@ -13,7 +13,7 @@ as a ctx attribute) shows that the harness catches the difference.
 
 import pytest
 import torch
-from reference import inputs
+from q4_reference import inputs
 from torch.utils.checkpoint import checkpoint
 
 from q4torch import functional as F

@@ -4,8 +4,8 @@ import logging
 
 import pytest
 import torch
-from reference import inputs
-from reference.matmul import rel_err
+from q4_reference import inputs
+from q4_reference.matmul import rel_err
 
 import q4torch
 from q4torch.nn import Linear4bit, Linear8bitLt

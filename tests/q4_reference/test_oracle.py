@@ -4,7 +4,7 @@ the oracle cannot hide a matching bug in the kernels."""
 import numpy as np
 import pytest
 
-from reference import oracle
+from q4_reference import oracle
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])

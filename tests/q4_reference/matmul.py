@@ -38,7 +38,7 @@ def quantized_weight(rng, n: int, k: int, blocksize: int, quant_type: str, neste
     """A random weight [n, k] quantized by q4: (packed, q4.QuantState, W as fp32
     decoded by the oracle's arithmetic from the packed bytes and scales)."""
     import q4
-    from reference import oracle
+    from q4_reference import oracle
 
     w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
     packed, absmax = q4.quantize_4bit(w, blocksize, quant_type)
