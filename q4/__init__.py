@@ -44,11 +44,14 @@ from q4._src.native import (
     set_num_threads,
 )
 from q4._src.quant_state import QuantState, QuantStateError
+from q4._src.report import QuantizeReport, ReportRow
 
 __version__ = "0.1.0"
 
 __all__ = [
     "QUANT_TYPES",
+    "QuantizeReport",
+    "ReportRow",
     "KernelError",
     "NativeLibraryError",
     "QuantState",

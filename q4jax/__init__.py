@@ -4,7 +4,7 @@ from q4jax import nn
 from q4jax._src.checkpoint import load_quantized, load_state_dict, state_dict
 from q4jax._src.lora import add_lora
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
-from q4jax._src.model import quantize_model
+from q4jax._src.model import QuantizeReport, quantize_model
 from q4jax._src.model_sharding import shard_model
 from q4jax._src.quant import (
     QuantState,
@@ -31,6 +31,7 @@ __all__ = [
     "load_state_dict",
     "nn",
     "quantize_model",
+    "QuantizeReport",
     "shard_model",
     "state_dict",
     "QuantState",

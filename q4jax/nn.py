@@ -3,8 +3,9 @@
 from q4jax._src.checkpoint import load_quantized, load_state_dict, state_dict
 from q4jax._src.embedding import Embedding4bit, Embedding8bit, EmbeddingFP4, EmbeddingNF4, StableEmbedding
 from q4jax._src.layers import Linear4bit, Linear8bit, QuantStateVar
-from q4jax._src.model import quantize_model
+from q4jax._src.model import QuantizeReport, quantize_model
 from q4jax._src.model_sharding import shard_model
+from q4jax._src.projection import QuantizedEinsum, QuantizedLinearGeneral
 
 __all__ = [
     "Embedding4bit",
@@ -14,6 +15,9 @@ __all__ = [
     "Linear4bit",
     "Linear8bit",
     "QuantStateVar",
+    "QuantizeReport",
+    "QuantizedEinsum",
+    "QuantizedLinearGeneral",
     "StableEmbedding",
     "load_quantized",
     "load_state_dict",

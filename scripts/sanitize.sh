@@ -34,6 +34,7 @@ tests=(
   tests/jax/test_int8.py
   tests/jax/test_nn.py
   tests/jax/test_nn_scan.py
+  tests/jax/test_flax_models.py
 )
 
 # --capture=sys: pytest's default fd capture would swallow the sanitizer's

@@ -15,7 +15,8 @@ from flax import nnx
 from q4 import checkpoint as q4_checkpoint
 from q4jax._src.embedding import EMBEDDING_TYPES, Embedding4bit, Embedding8bit, StableEmbedding
 from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
-from q4jax._src.model import check_graph_root, graph_edges, path_name, set_child
+from q4jax._src.model import check_graph_root, classify, graph_edges, path_name, quantized_layer, set_child
+from q4jax._src.projection import _Projection
 
 logger = logging.getLogger("q4jax")
 
@@ -23,12 +24,29 @@ logger = logging.getLogger("q4jax")
 
 
 _LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
-# every layer with checkpoint entries (the embeddings' are those of q4torch's layers)
-_LAYER_TYPES = (*_LINEAR_TYPES, *EMBEDDING_TYPES)
+# every layer with checkpoint entries (the embeddings' are those of q4torch's layers; a
+# quantized Einsum / LinearGeneral's are its 2-D matrix's, under its own path)
+_LAYER_TYPES = (*_LINEAR_TYPES, *EMBEDDING_TYPES, _Projection)
 
 
 def _layers(module) -> list[tuple[str, Any]]:
-    return [(path_name(p) + ".", child) for p, _, _, child in graph_edges(module) if isinstance(child, _LAYER_TYPES)]
+    """(prefix, layer) of every layer with entries; never a layer inside another's
+    (a projection's 2-D base), and a stacked layer is an error naming it."""
+    out: list[tuple[str, Any]] = []
+    owners: list[tuple] = []
+    for p, _, _, child in graph_edges(module):
+        if not isinstance(child, _LAYER_TYPES) or any(p[: len(o)] == o for o in owners):
+            continue
+        if isinstance(child, _Projection):
+            owners.append(p)
+        stack = getattr(child, "stack_shape", ())
+        if stack:
+            raise ValueError(
+                f"{path_name(p)}: a stacked layer ({list(stack)}, nnx.vmap) has no per-layer checkpoint entries; "
+                "save nnx.state(model) (e.g. with orbax) instead"
+            )
+        out.append((path_name(p) + ".", child))
+    return out
 
 
 def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
@@ -43,7 +61,7 @@ def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
         layers.insert(0, ("", module))
     out: dict[str, np.ndarray] = {}
     for prefix, layer in layers:
-        entries = dense_entries(layer) if type(layer) is nnx.Linear else layer._state_entries()
+        entries = dense_entries(layer) if isinstance(layer, nnx.Linear) else layer._state_entries()
         for key, value in entries.items():
             out[prefix + key] = value
     return out
@@ -70,7 +88,7 @@ def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = Tru
     used: set[str] = set()
     plans = []
     for prefix, layer in layers:
-        if type(layer) is nnx.Linear:
+        if isinstance(layer, nnx.Linear):
             plan = plan_dense_load(layer, d, prefix, errs, used)
         else:
             plan = layer._plan_load(d, prefix, errs, used)
@@ -111,36 +129,34 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
     groups = q4_checkpoint.quantized_groups(checkpoint)
     plan = {name: group for group, names in groups.items() for name in names}
     edges = {path_name(path): (parent, key, child) for path, parent, key, child in graph_edges(module)}
-    targets = (*_LINEAR_TYPES, nnx.Embed, Embedding4bit, Embedding8bit)
-    unknown = sorted(n for n in plan if not isinstance(edges.get(n, (None, None, None))[2], targets))
+    kinds = {n: classify(e[2], embeddings=True) for n, e in edges.items()}
+    quantized = (Linear4bit, Linear8bit, Embedding4bit, Embedding8bit, _Projection)
+    unknown = sorted(
+        f"'{n}' ({'absent' if n not in edges else kinds[n][1] or type(edges[n][2]).__name__})"
+        for n in plan
+        if n not in edges or kinds[n][0] in (None, "lora") and not isinstance(edges[n][2], quantized)
+    )
     if unknown:
         raise ValueError(
-            f"the checkpoint quantizes layers this model does not have as a linear or embedding layer: {unknown}"
+            "the checkpoint quantizes layers this model does not have as a linear, LinearGeneral, Einsum or "
+            f"embedding layer q4jax can replace: {unknown}"
         )
     replaced: dict[int, nnx.Module] = {}
     for name, (quant_type, blocksize, nested) in plan.items():
         parent, key, child = edges[name]
-        if type(child) is nnx.Embed:
-            if id(child) not in replaced:
-                replaced[id(child)] = (
-                    Embedding8bit.from_embed(child)
-                    if quant_type == "int8"
-                    else Embedding4bit.from_embed(
-                        child, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
-                    )
-                )
-            set_child(parent, key, replaced[id(child)])
-            continue
-        if type(child) is not nnx.Linear:
+        kind = kinds[name][0]
+        if kind is None:
             continue  # already quantized: load_state_dict takes the checkpoint's format
         if id(child) not in replaced:
-            replaced[id(child)] = (
-                Linear8bit.from_linear(child)
-                if quant_type == "int8"
-                else Linear4bit.from_linear(
-                    child, quant_type=quant_type, blocksize=blocksize, compress_statistics=nested
-                )
+            settings = dict(
+                quant_type=quant_type,
+                blocksize=blocksize,
+                compress_statistics=nested,
+                compute_dtype=None,
+                activation_quant=None,
+                threshold=0.0,
             )
+            replaced[id(child)] = quantized_layer(child, kind, settings, name)
         set_child(parent, key, replaced[id(child)])
     mine: set[str] = set()  # each layer's weight entries and bias (a StableEmbedding's norm)
     for prefix, layer in _layers(module):

@@ -44,7 +44,14 @@ from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
 from q4._src.quant_state import QuantState as NpQuantState
 from q4jax._src import ffi
-from q4jax._src.layers import QuantStateVar, _device_copy, _float_dtype_name, _host_copy, check_int8_entries
+from q4jax._src.layers import (
+    QuantStateVar,
+    _device_copy,
+    _float_dtype_name,
+    _host_copy,
+    check_int8_entries,
+    out_sharded,
+)
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import QuantState, check_state, quantize_4bit, quantize_int8_weight
 
@@ -301,15 +308,16 @@ class Embedding4bit(_Embedding):
             rngs=nnx.Rngs(0),
         )
 
-    def __call__(self, ids) -> jax.Array:
+    def __call__(self, ids, out_sharding=None) -> jax.Array:
         ids = self._check_ids(ids)
         packed, state = self.weight.get_value(), self.quant_state.get_value()
         out = lookup_4bit(packed, state, ids, num_embeddings=self.num_embeddings, features=self.features)
-        return out.astype(self.dtype)
+        return out_sharded(out.astype(self.dtype), out_sharding)
 
-    def attend(self, query) -> jax.Array:
+    def attend(self, query, out_sharding=None) -> jax.Array:
         """query [..., features] . dequantize(E)^T -> [..., num_embeddings] in ``dtype``."""
-        return matmul_4bit(self._check_query(query), self.weight.get_value(), self.quant_state.get_value())
+        y = matmul_4bit(self._check_query(query), self.weight.get_value(), self.quant_state.get_value())
+        return out_sharded(y, out_sharding)
 
     # -- checkpoint entries (keys relative to the layer's prefix)
 
@@ -446,14 +454,15 @@ class Embedding8bit(_Embedding):
         """Quantize an nnx.Embed's table (the Embed is not modified)."""
         return cls(**_from_embed_args(embed), rngs=nnx.Rngs(0))
 
-    def __call__(self, ids) -> jax.Array:
+    def __call__(self, ids, out_sharding=None) -> jax.Array:
         ids = self._check_ids(ids)
         out = lookup_8bit(self.weight.get_value(), self.SCB.get_value(), ids, num_embeddings=self.num_embeddings)
-        return out.astype(self.dtype)
+        return out_sharded(out.astype(self.dtype), out_sharding)
 
-    def attend(self, query) -> jax.Array:
+    def attend(self, query, out_sharding=None) -> jax.Array:
         """query [..., features] . (CB * SCB / 127)^T -> [..., num_embeddings] in ``dtype``."""
-        return matmul_8bit(self._check_query(query), self.weight.get_value(), self.SCB.get_value(), None, 0.0)
+        y = matmul_8bit(self._check_query(query), self.weight.get_value(), self.SCB.get_value(), None, 0.0)
+        return out_sharded(y, out_sharding)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
         return {
@@ -511,12 +520,12 @@ class StableEmbedding(_Embedding):
             self.features, epsilon=1e-5, use_fast_variance=False, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs
         )
 
-    def __call__(self, ids) -> jax.Array:
+    def __call__(self, ids, out_sharding=None) -> jax.Array:
         ids = self._check_ids(ids)
         rows, valid = _rows(ids, self.num_embeddings)
         emb = jnp.take(self.embedding.get_value(), rows, axis=0, mode="clip").astype(jnp.float32)
         emb = jnp.where(valid[:, None], emb, jnp.nan).reshape(*ids.shape, self.features)
-        return self.norm(emb).astype(self.dtype)
+        return out_sharded(self.norm(emb).astype(self.dtype), out_sharding)
 
     def _variables(self) -> dict[str, tuple[tuple[int, ...], nnx.Param]]:
         """Checkpoint key -> (shape, variable); the LayerNorm has its scale and bias."""

@@ -90,6 +90,12 @@ def _device_copy(a, dtype=None) -> jax.Array:
     return jnp.asarray(a)
 
 
+def out_sharded(y: jax.Array, out_sharding) -> jax.Array:
+    """y laid out as ``out_sharding`` asks (the float layers' call keyword: a
+    PartitionSpec or NamedSharding under an explicit-axes mesh); None leaves it."""
+    return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+
+
 def _from_linear_args(linear: nnx.Linear) -> dict:
     """Constructor arguments that rebuild `linear`'s shape, dtypes, kernel and bias."""
     if not isinstance(linear, nnx.Linear):
@@ -110,6 +116,8 @@ def _from_linear_args(linear: nnx.Linear) -> dict:
 class _QuantLinear(nnx.Module):
     """Shared constructor logic: initialise a float kernel like nnx.Linear."""
 
+    weight: QuantStateVar
+
     def _init_common(self, in_features, out_features, use_bias, dtype, param_dtype, kernel_init, bias_init, rngs):
         self.in_features = _features(in_features, "in_features")
         self.out_features = _features(out_features, "out_features")
@@ -129,6 +137,12 @@ class _QuantLinear(nnx.Module):
         self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
         self.sharding: LinearSharding | None = None
         return kernel
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        """The leading axes of a stacked layer (nnx.vmap, or quantize_model of such a
+        stack: nnx.scan slices them off); () for a single layer."""
+        return tuple(self.weight.get_value().shape[:-2])
 
     def _place_bias(self, sharding: LinearSharding | None) -> None:
         """Place the bias for ``sharding`` (None: on one device); a no-op for an
@@ -267,7 +281,8 @@ class Linear4bit(_QuantLinear):
             rngs=nnx.Rngs(0),
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
+        """x [..., in_features] -> [..., out_features]; ``out_sharding`` as nnx.Linear's."""
         x_name = self._check_x(x)
         out = jnp.dtype(x_name) if self.dtype is None else self.dtype
         compute = out if self.compute_dtype is None else self.compute_dtype
@@ -278,7 +293,15 @@ class Linear4bit(_QuantLinear):
             y = matmul_4bit(x.astype(compute), packed, state, bias, getattr(self, "activation_quant", None))
         else:
             y = sharded_matmul_4bit(x.astype(compute), packed, state, self.sharding, bias)
-        return y.astype(out)
+        return out_sharded(y.astype(out), out_sharding)
+
+    def _matmul(self, x: jax.Array, packed: jax.Array, state: QuantState) -> jax.Array:
+        """x . dequantize(W)^T for one (unsharded) weight, no bias: the call of a stacked
+        layer's slice (q4jax/_src/projection.py, shared axes)."""
+        x_name = self._check_x(x)
+        out = jnp.dtype(x_name) if self.dtype is None else self.dtype
+        compute = out if self.compute_dtype is None else self.compute_dtype
+        return matmul_4bit(x.astype(compute), packed, state, None, getattr(self, "activation_quant", None)).astype(out)
 
     # -- checkpoint entries (keys relative to the layer's prefix)
 
@@ -485,14 +508,23 @@ class Linear8bit(_QuantLinear):
             rngs=nnx.Rngs(0),
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
+        """x [..., in_features] -> [..., out_features]; ``out_sharding`` as nnx.Linear's."""
         x_name = self._check_x(x)
         compute = jnp.dtype(x_name) if self.dtype is None else self.dtype
         bias = None if self.bias is None else self.bias.get_value()
         cb, scb = self.weight.get_value(), self.SCB.get_value()
         if self.sharding is None:
-            return matmul_8bit(x.astype(compute), cb, scb, bias, self.threshold)
-        return sharded_matmul_8bit(x.astype(compute), cb, scb, self.sharding, bias, self.threshold)
+            y = matmul_8bit(x.astype(compute), cb, scb, bias, self.threshold)
+        else:
+            y = sharded_matmul_8bit(x.astype(compute), cb, scb, self.sharding, bias, self.threshold)
+        return out_sharded(y, out_sharding)
+
+    def _matmul(self, x: jax.Array, cb: jax.Array, scb: jax.Array) -> jax.Array:
+        """x . (CB * SCB / 127)^T for one (unsharded) weight, no bias (a stacked slice)."""
+        x_name = self._check_x(x)
+        compute = jnp.dtype(x_name) if self.dtype is None else self.dtype
+        return matmul_8bit(x.astype(compute), cb, scb, None, self.threshold)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
         cb, scb = self._canonical()

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from q4jax._src.layers import Linear4bit, Linear8bit
 from q4jax._src.model import check_graph_root, graph_edges, path_name, set_child
+from q4jax._src.projection import _Projection
 
 logger = logging.getLogger("q4jax")
 
@@ -62,6 +65,12 @@ def add_lora(
     edges = [e for e in graph_edges(model) if type(e[3]) in (Linear4bit, Linear8bit)]
     if not edges:
         raise ValueError("add_lora found no q4jax Linear4bit / Linear8bit in the model: quantize it first")
+    # a quantized Einsum / LinearGeneral holds its 2-D layer as `base`: the adapter goes on
+    # those rows (the same function as a LoRA on the flattened projection), named by the projection
+    edges = [
+        (path[:-1] if isinstance(parent, _Projection) else path, parent, key, child)
+        for path, parent, key, child in edges
+    ]
     wrapped: dict[int, nnx.LoRA] = {}
     for path, parent, key, child in edges:
         name = path_name(path)
@@ -69,8 +78,12 @@ def add_lora(
             continue  # already adapted
         if targets is not None and not _matches(name, targets):
             continue
+        if isinstance(parent, _Projection) and parent.split.shared:
+            logger.warning("q4jax.add_lora: %s has shared (batch) axes, one matrix per index: not adapted", name)
+            continue
         new = wrapped.get(id(child))
         if new is None:
+            a_init = nnx.initializers.he_uniform() if a_initializer is None else a_initializer
             new = nnx.LoRA(
                 child.in_features,
                 rank,
@@ -78,10 +91,18 @@ def add_lora(
                 base_module=child,
                 dtype=dtype,
                 param_dtype=param_dtype,
-                a_initializer=nnx.initializers.he_uniform() if a_initializer is None else a_initializer,
+                a_initializer=a_init,
                 b_initializer=b_initializer,
                 rngs=rngs,
             )
+            stack = child.stack_shape
+            if stack:  # a stacked layer (nnx.vmap / nnx.scan): one adapter per slice, stacked alike
+                n = math.prod(stack)
+                keys = jax.random.split(rngs.params(), 2 * n)
+                a = [a_init(keys[i], (child.in_features, rank), param_dtype) for i in range(n)]
+                b = [b_initializer(keys[n + i], (rank, child.out_features), param_dtype) for i in range(n)]
+                new.lora_a.set_value(jnp.stack(a).reshape(*stack, child.in_features, rank))
+                new.lora_b.set_value(jnp.stack(b).reshape(*stack, rank, child.out_features))
             wrapped[id(child)] = new
         set_child(parent, key, new)
         logger.info("q4jax.add_lora: %s (%s) rank %d", name, type(child).__name__, rank)

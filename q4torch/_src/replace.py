@@ -14,6 +14,7 @@ from torch import nn
 
 import q4
 from q4._src import formats, quantizers
+from q4._src.report import EMBEDDINGS_OFF, SKIP_RULE, QuantizeReport, ReportRow
 from q4._src.weights import quantize_weight_4bit
 
 logger = logging.getLogger("q4torch")
@@ -132,7 +133,9 @@ def replace_linear(
     method: str = "absmax",
     calibration=None,
     gptq_damp: float = 0.01,
-) -> nn.Module:
+    strict: bool = False,
+    return_report: bool = False,
+):
     """Replace every ``nn.Linear`` of ``model`` in place by a quantized layer
     (``Linear4bit`` for 'nf4'/'fp4', ``Linear8bitLt`` for 'int8'), keeping its
     weights and bias, quantized at once on the layer's device.
@@ -158,6 +161,15 @@ def replace_linear(
     ``gptq_damp``: the damping added to each Hessian's diagonal, as a
     fraction of its mean (GPTQ's 0.01 by default; with little calibration
     data a larger value can do better, README "Better 4-bit at the same bytes").
+
+    Nothing is left float in silence: with ``return_report=True`` the call returns
+    ``(model, q4.QuantizeReport)``, listing each layer replaced and each
+    weight-bearing layer or float parameter of two or more axes left float, with the
+    reason: skip rule, embeddings=False, a subclass of nn.Linear / nn.Embedding (its
+    forward and attributes are its own: not replaced), a W4A8 layer whose in_features
+    is not a multiple of its block, or a layer type q4torch does not quantize
+    (transformers' Conv1D, convolutions). Leftovers no option asked for are logged at
+    WARNING; ``strict=True`` raises a ValueError naming them.
     """
     from q4torch._src.embedding import quantized_embedding
 
@@ -168,12 +180,20 @@ def replace_linear(
     hessians = _calibrate(model, skip, calibration, blocksize) if method == "gptq" else {}
     replaced: dict[int, nn.Module] = {}
     names: list[str] = []
+    report = QuantizeReport()
+    seen: set[int] = set()
     before = after = 0
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
         for child_name, child in list(parent._modules.items()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            is_embedding = embeddings and type(child) is nn.Embedding
-            if (type(child) is not nn.Linear and not is_embedding) or _skipped(name, skip):
+            reason = _left_float(child, name, skip, embeddings)
+            if reason is not None:
+                if id(child) not in seen:
+                    report.left_float.append(ReportRow(name, type(child).__name__, reason))
+                seen.add(id(child))
+                continue
+            is_embedding = type(child) is nn.Embedding
+            if type(child) is not nn.Linear and not is_embedding:
                 continue
             if id(child) not in replaced and is_embedding:
                 try:
@@ -183,12 +203,15 @@ def replace_linear(
                 before += child.weight.numel() * child.weight.element_size()
                 after += sum(t.numel() * t.element_size() for t in replaced[id(child)].state_dict().values())
                 names.append(name)
+                report.quantized.append(ReportRow(name, "Embedding", type(replaced[id(child)]).__name__))
             if id(child) not in replaced:
                 if activation_quant is not None:
                     try:
                         formats.check_w4a8_features(child.in_features, blocksize)
                     except ValueError as e:
-                        raise ValueError(f"{name}: {e}; skip it (skip=...) or leave activation_quant unset") from None
+                        report.left_float.append(ReportRow(name, "Linear", f"activation_quant='int8': {e}"))
+                        seen.add(id(child))
+                        continue
                 new = _quantized(
                     child,
                     quant_type,
@@ -207,7 +230,9 @@ def replace_linear(
                 before += child.weight.numel() * child.weight.element_size()
                 after += sum(t.numel() * t.element_size() for t in new.state_dict().values())
                 names.append(name)
+                report.quantized.append(ReportRow(name, "Linear", f"{type(new).__name__} ({quant_type})"))
             setattr(parent, child_name, replaced[id(child)])
+    _report_float_params(model, report, skip)
     logger.info(
         "replace_linear(%s): replaced %d nn.Linear%s layers (%s); weights %.2f MiB -> %.2f MiB",
         quant_type,
@@ -217,7 +242,61 @@ def replace_linear(
         before / 2**20,
         after / 2**20,
     )
-    return model
+    report.log_left_float(logger, "replace_linear")
+    if strict:
+        report.check_strict("replace_linear", "q4torch quantizes nn.Linear (and nn.Embedding with embeddings=True)")
+    return (model, report) if return_report else model
+
+
+def _q4_layer_types() -> tuple[type, ...]:
+    from q4torch._src.embedding import Embedding4bit, Embedding8bit, StableEmbedding
+    from q4torch._src.linear4bit import Linear4bit
+    from q4torch._src.linear8bit import Linear8bitLt
+
+    return (Linear4bit, Linear8bitLt, Embedding4bit, Embedding8bit, StableEmbedding)
+
+
+def _left_float(child: nn.Module, name: str, skip, embeddings: bool) -> str | None:
+    """Why replace_linear leaves a weight-bearing child float, or None (it is replaced,
+    already quantized, or holds no weight of its own kind)."""
+    if isinstance(child, _q4_layer_types()):
+        return None
+    if isinstance(child, (nn.Linear, nn.Embedding)):
+        kind = "nn.Linear" if isinstance(child, nn.Linear) else "nn.Embedding"
+        if _skipped(name, skip):
+            return SKIP_RULE
+        if type(child) not in (nn.Linear, nn.Embedding):
+            return f"a subclass of {kind}: its forward and attributes are its own, not replaced"
+        if kind == "nn.Embedding" and not embeddings:
+            return EMBEDDINGS_OFF
+    return None
+
+
+def _report_float_params(model: nn.Module, report: QuantizeReport, skip) -> None:
+    """Float parameters of two or more axes outside every q4 layer and every module
+    already reported (transformers' Conv1D, convolutions, raw matrices); a skip rule
+    matching the module makes it deliberate."""
+    q4_types = _q4_layer_types()
+    reported = {r.path for r in report.left_float}
+    inside: list[str] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, q4_types) or name in reported:
+            inside.append(name + ".")
+            continue
+        if any((name + ".").startswith(p) for p in inside):
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() < 2 or not p.is_floating_point() or id(p) in seen:
+                continue
+            seen.add(id(p))
+            path = f"{name}.{pname}" if name else pname
+            why = f"a float parameter {tuple(p.shape)} of {type(module).__name__}, not a layer type q4torch quantizes"
+            report.left_float.append(
+                ReportRow(
+                    path, type(module).__name__, SKIP_RULE if _skipped(name, skip) or _skipped(path, skip) else why
+                )
+            )
 
 
 def _targets(model: nn.Module, skip) -> dict[int, tuple[str, nn.Linear]]:

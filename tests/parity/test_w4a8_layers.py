@@ -8,6 +8,7 @@ message."""
 from __future__ import annotations
 
 import copy
+import re
 
 import jax
 import jax.numpy as jnp
@@ -75,11 +76,19 @@ def test_replace_linear_and_quantize_model_agree(rng):
 
 
 def test_every_layer_must_fit_the_block(rng):
+    """A layer whose in_features is not a multiple of its block stays float, named in
+    both frameworks' report (strict=True: an error naming it)."""
     w1, b1, w2 = _weights(rng)
-    with pytest.raises(ValueError, match=r"fc2: .*multiple of 64 .*got in_features 40; skip it"):
-        q4torch.replace_linear(TorchNet(w1, b1, w2), "nf4", activation_quant="int8")
-    with pytest.raises(ValueError, match=r"fc2: .*multiple of 64 .*got in_features 40; skip it"):
-        q4jax.quantize_model(JaxNet(w1, b1, w2), "nf4", activation_quant="int8")
+    _, rt = q4torch.replace_linear(TorchNet(w1, b1, w2), "nf4", activation_quant="int8", return_report=True)
+    _, rj = q4jax.quantize_model(JaxNet(w1, b1, w2), "nf4", activation_quant="int8", return_report=True)
+    for report in (rt, rj):
+        assert [r.path for r in report.quantized] == ["fc1"]
+        (row,) = report.left_float
+        assert row.path == "fc2" and re.search(r"multiple of 64 .*got in_features 40", row.detail), row
+    with pytest.raises(ValueError, match=r"strict=True.*fc2 .*multiple of 64 .*got in_features 40"):
+        q4torch.replace_linear(TorchNet(w1, b1, w2), "nf4", activation_quant="int8", strict=True)
+    with pytest.raises(ValueError, match=r"strict=True.*fc2 .*multiple of 64 .*got in_features 40"):
+        q4jax.quantize_model(JaxNet(w1, b1, w2), "nf4", activation_quant="int8", strict=True)
     for bad in ("int4", 8, True):
         with pytest.raises(ValueError, match="activation_quant must be None or 'int8'"):
             q4torch.nn.Linear4bit(IN, OUT, activation_quant=bad)

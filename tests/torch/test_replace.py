@@ -57,3 +57,48 @@ def test_glob_skip_and_bad_type():
         q4torch.replace_linear(Block(), "int4")
     with pytest.raises(ValueError, match="got 100"):
         q4torch.replace_linear(Block(), "nf4", blocksize=100)
+
+
+class _OwnLinear(torch.nn.Linear):
+    pass
+
+
+class _Zoo(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.lin = torch.nn.Linear(64, 64)
+        self.lm_head = torch.nn.Linear(64, 96)
+        self.embed = torch.nn.Embedding(96, 64)
+        self.conv1d = Conv1D(64, 64)  # GPT-2's linear, weight [in, out]
+        self.own = _OwnLinear(64, 64)
+        self.odd = torch.nn.Linear(96, 64)  # in_features not a multiple of 64: no W4A8
+        self.raw = torch.nn.Parameter(torch.randn(64, 32))
+        self.norm = torch.nn.LayerNorm(64)
+
+
+def test_replace_linear_reports_what_it_left_float(caplog):
+    """Every weight-bearing module or float matrix left float is named, with why; the
+    reasons nobody asked for are WARNINGs; strict=True raises on exactly those."""
+    with caplog.at_level(logging.INFO, logger="q4torch"):
+        model, report = q4torch.replace_linear(_Zoo(), "nf4", activation_quant="int8", return_report=True)
+    assert [r.path for r in report.quantized] == ["lin"] and isinstance(model.lin, Linear4bit)
+    rows = {r.path: r.detail for r in report.left_float}
+    assert rows["lm_head"] == "skip rule" and rows["embed"] == "embeddings=False"
+    assert rows["own"].startswith("a subclass of nn.Linear")
+    assert rows["odd"].startswith("activation_quant='int8'") and type(model.odd) is torch.nn.Linear
+    assert rows["conv1d.weight"].startswith("a float parameter (64, 64) of Conv1D")
+    assert rows["raw"].startswith("a float parameter (64, 32) of _Zoo")
+    assert set(rows) == {"lm_head", "embed", "own", "odd", "conv1d.weight", "raw"}
+    warned = {
+        r.getMessage().split(" float: ")[0].rsplit(" ", 1)[-1] for r in caplog.records if r.levelno >= logging.WARNING
+    }
+    assert warned == {"own", "odd", "conv1d.weight", "raw"}
+    with pytest.raises(ValueError, match=r"strict=True.*own \(_OwnLinear.*conv1d\.weight") as e:
+        q4torch.replace_linear(_Zoo(), "nf4", strict=True)
+    assert "lm_head" not in str(e.value)
+    model = q4torch.replace_linear(
+        _Zoo(), "int8", strict=True, skip=("lm_head", "conv1d", "own", "raw"), embeddings=True
+    )
+    assert type(model.lin).__name__ == "Linear8bitLt"
