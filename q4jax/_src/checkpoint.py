@@ -29,6 +29,11 @@ _LINEAR_TYPES = (Linear4bit, Linear8bit, nnx.Linear)
 _LAYER_TYPES = (*_LINEAR_TYPES, *EMBEDDING_TYPES, _Projection)
 
 
+def _is_dense(layer) -> bool:
+    """A float nnx.Linear (a quantized subclass of one is a q4jax layer: keep_subclass)."""
+    return isinstance(layer, nnx.Linear) and not isinstance(layer, (Linear4bit, Linear8bit))
+
+
 def _layers(module) -> list[tuple[str, Any]]:
     """(prefix, layer) of every layer with entries; never a layer inside another's
     (a projection's 2-D base), and a stacked layer is an error naming it."""
@@ -61,7 +66,7 @@ def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
         layers.insert(0, ("", module))
     out: dict[str, np.ndarray] = {}
     for prefix, layer in layers:
-        entries = dense_entries(layer) if isinstance(layer, nnx.Linear) else layer._state_entries()
+        entries = dense_entries(layer) if _is_dense(layer) else layer._state_entries()
         for key, value in entries.items():
             out[prefix + key] = value
     return out
@@ -88,7 +93,7 @@ def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = Tru
     used: set[str] = set()
     plans = []
     for prefix, layer in layers:
-        if isinstance(layer, nnx.Linear):
+        if _is_dense(layer):
             plan = plan_dense_load(layer, d, prefix, errs, used)
         else:
             plan = layer._plan_load(d, prefix, errs, used)

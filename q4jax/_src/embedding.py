@@ -46,6 +46,7 @@ from q4._src.quant_state import QuantState as NpQuantState
 from q4jax._src import ffi
 from q4jax._src.layers import (
     QuantStateVar,
+    WeightShape,
     _device_copy,
     _float_dtype_name,
     _host_copy,
@@ -232,6 +233,11 @@ class _Embedding(nnx.Module):
         return query.astype(self.dtype)
 
 
+def _table_shape(self) -> WeightShape:
+    """nnx.Embed's table as a shape and dtype (no float value): ``layer.embedding.shape``."""
+    return WeightShape((self.num_embeddings, self.features), self.dtype, type(self).__name__, "embedding")
+
+
 def _from_embed_args(embed: nnx.Embed) -> dict:
     if not isinstance(embed, nnx.Embed):
         raise TypeError(f"from_embed expects an nnx.Embed, got {type(embed).__name__}")
@@ -255,6 +261,8 @@ class Embedding4bit(_Embedding):
     ``query . dequantize(E)^T`` through the fused kernel. The packed bytes and
     state are the checkpoint entries of q4torch's layer.
     """
+
+    embedding = property(_table_shape)
 
     def __init__(
         self,
@@ -426,6 +434,8 @@ class Embedding8bit(_Embedding):
     runs the LLM.int8 kernel. Quantization goes through the kernels' XLA op,
     so the layer can be built under ``jit``.
     """
+
+    embedding = property(_table_shape)
 
     def __init__(
         self,

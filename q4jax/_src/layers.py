@@ -144,6 +144,12 @@ class _QuantLinear(nnx.Module):
         stack: nnx.scan slices them off); () for a single layer."""
         return tuple(self.weight.get_value().shape[:-2])
 
+    @property
+    def kernel(self) -> WeightShape:
+        """nnx.Linear's kernel [in, out] as a shape and dtype (no float value)."""
+        dtype = self.bias.get_value().dtype if self.bias is not None else (self.dtype or jnp.float32)
+        return WeightShape((self.in_features, self.out_features), dtype, type(self).__name__, "kernel")
+
     def _place_bias(self, sharding: LinearSharding | None) -> None:
         """Place the bias for ``sharding`` (None: on one device); a no-op for an
         unsharded layer staying unsharded."""
@@ -645,3 +651,32 @@ def dense_entries(layer: nnx.Linear) -> dict[str, np.ndarray]:
     if layer.bias is not None:
         out["bias"] = _host_copy(layer.bias.get_value())
     return out
+
+
+class WeightShape:
+    """What a quantized layer shows as its float layer's ``kernel`` / ``embedding``:
+    the shape and dtype model code queries (``layer.kernel.shape[1]``), without a float
+    array: reading its value is an error that says how to get one."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, owner: str, name: str):
+        self.shape, self.dtype, self._owner, self._name = tuple(shape), jnp.dtype(dtype), owner, name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def _no_value(self, *_args, **_kwargs):
+        raise AttributeError(
+            f"{self._owner}.{self._name} is quantized: it has a shape {self.shape} and dtype {self.dtype}, "
+            "no float value (q4jax.dequantize_4bit of the layer's weight and quant_state gives one)"
+        )
+
+    value = property(_no_value)
+    get_value = __getitem__ = __array__ = _no_value
+
+    def __repr__(self) -> str:
+        return f"WeightShape({self.shape}, {self.dtype})"

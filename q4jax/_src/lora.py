@@ -62,7 +62,7 @@ def add_lora(
     rngs = nnx.Rngs(0) if rngs is None else rngs
     if not isinstance(rngs, nnx.Rngs):
         raise TypeError(f"rngs must be an nnx.Rngs, got {type(rngs).__name__}")
-    edges = [e for e in graph_edges(model) if type(e[3]) in (Linear4bit, Linear8bit)]
+    edges = [e for e in graph_edges(model) if isinstance(e[3], (Linear4bit, Linear8bit))]
     if not edges:
         raise ValueError("add_lora found no q4jax Linear4bit / Linear8bit in the model: quantize it first")
     # a quantized Einsum / LinearGeneral holds its 2-D layer as `base`: the adapter goes on

@@ -88,36 +88,55 @@ def check_graph_root(module, what: str) -> None:
 _ADVICE = "q4jax quantizes nnx.Linear, nnx.LinearGeneral, nnx.Einsum (and nnx.Embed with embeddings=True)"
 
 
-def _overrides(child, base: type, *names: str) -> str | None:
-    """The first of ``names`` that type(child) defines differently from ``base``."""
-    for name in names:
-        if getattr(type(child), name) is not getattr(base, name):
-            return name
+def _overrides(child, base: type, *names: str) -> list[str]:
+    """The methods among ``names`` that type(child) defines differently from ``base``."""
+    return [name for name in names if getattr(type(child), name) is not getattr(base, name)]
+
+
+def _names_read(fn) -> set[str]:
+    """Attribute and global names a function's code (nested code included) reads."""
+    code = getattr(fn, "__code__", None)
+    todo, names = [code] if code is not None else [], set()
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names)
+        todo.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    return names
+
+
+def _override_reason(child, base: type, weight: str, *methods: str) -> str | None:
+    """None when every method of ``methods`` that the subclass overrides reaches the
+    weight only through super() (never reads ``self.<weight>``), so the quantized layer
+    can stand under it; otherwise why the layer stays float."""
+    for name in _overrides(child, base, *methods):
+        if weight in _names_read(getattr(type(child), name)):
+            return f"{type(child).__name__}.{name} reads self.{weight} itself: its behaviour would be lost"
     return None
+
+
+_WEIGHT = {"linear": "kernel", "general": "kernel", "einsum": "kernel", "embed": "embedding"}
 
 
 def classify(child, embeddings: bool) -> tuple[str | None, str | None]:
     """(kind, None) for a layer quantize_model replaces -- kind 'linear', 'lora',
     'general', 'einsum' or 'embed' -- or (None, reason) for one it leaves float
-    (reason None: not a weight-bearing layer, or one already quantized)."""
+    (reason None: not a weight-bearing layer, or one already quantized). A subclass
+    that overrides the call is replaced when its override reaches the weight through
+    super() only (keep_subclass puts the quantized call under it)."""
     if isinstance(child, (Linear4bit, Linear8bit, Embedding4bit, Embedding8bit, _Projection)):
         return None, None
     if isinstance(child, nnx.LoRALinear):
-        name = _overrides(child, nnx.LoRALinear, "__call__")
-        return ("lora", None) if name is None else (None, f"{type(child).__name__} overrides {name}")
+        over = _overrides(child, nnx.LoRALinear, "__call__")
+        return ("lora", None) if not over else (None, f"{type(child).__name__} overrides {over[0]}")
     for base, kind in ((nnx.Linear, "linear"), (nnx.LinearGeneral, "general"), (nnx.Einsum, "einsum")):
         if isinstance(child, base):
-            name = _overrides(child, base, "__call__")
-            if name is not None:
-                return None, f"{type(child).__name__} overrides {name}: its behaviour would be lost"
-            return kind, None
+            reason = _override_reason(child, base, "kernel", "__call__")
+            return (kind, None) if reason is None else (None, reason)
     if isinstance(child, nnx.Embed):
         if not embeddings:
             return None, EMBEDDINGS_OFF
-        name = _overrides(child, nnx.Embed, "__call__", "attend")
-        if name is not None:
-            return None, f"{type(child).__name__} overrides {name}: its behaviour would be lost"
-        return "embed", None
+        reason = _override_reason(child, nnx.Embed, "embedding", "__call__", "attend")
+        return ("embed", None) if reason is None else (None, reason)
     return None, None
 
 
@@ -362,34 +381,31 @@ _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 def keep_subclass(child, new, flax_cls: type):
     """``new`` (a q4jax layer replacing ``child``, an instance of a subclass of
-    ``flax_cls`` that keeps its call) with the subclass's own methods and attributes:
-    its class becomes a subclass of type(new) holding the methods the subclass (and
-    its bases below ``flax_cls``) define, and the float layer's extra attributes are
-    copied over, so model code that calls ``layer.encode(...)`` or reads
-    ``layer.scale`` keeps working. The quantized class's own names win."""
+    ``flax_cls``) as an instance of the subclass over the quantized layer: its class
+    becomes ``Sub<suffix>(Sub, _Quantized)`` where ``_Quantized(type(new), flax_cls)``,
+    so the method resolution order is Sub, the quantized layer, then flax_cls: the
+    subclass's own methods run, and its ``super().__call__`` / ``super().attend`` reach
+    the quantized ones. The float layer's extra attributes (not its weight and bias)
+    are copied over, so model code that calls ``layer.encode(...)`` or reads
+    ``layer.scale`` keeps working; isinstance(new, type(child)) holds."""
     sub = type(child)
     if sub is flax_cls:
         return new
     key = (sub, type(new))
     cls = _SUBCLASSES.get(key)
     if cls is None:
-        members: dict[str, Any] = {}
-        for klass in reversed(sub.__mro__[: sub.__mro__.index(flax_cls)]):
-            for name, value in vars(klass).items():
-                if not name.startswith("__") and not hasattr(type(new), name):
-                    members[name] = value
-        members["__module__"] = sub.__module__
-        members["__doc__"] = f"{sub.__name__} with its weight quantized ({type(new).__name__}; q4jax.quantize_model)."
-        cls = _SUBCLASSES[key] = type(
-            f"{sub.__name__}{_SUFFIX.get(type(new).__name__, 'Quantized')}", (type(new),), members
-        )
-    new.__class__ = cls
+        quantized = type(new)
+        mixin = type(f"_{quantized.__name__}As{flax_cls.__name__}", (quantized, flax_cls), {"__module__": __name__})
+        doc = f"{sub.__name__} with its weight quantized ({quantized.__name__}; q4jax.quantize_model)."
+        name = f"{sub.__name__}{_SUFFIX.get(quantized.__name__, 'Quantized')}"
+        cls = _SUBCLASSES[key] = type(name, (sub, mixin), {"__module__": sub.__module__, "__doc__": doc})
     own = set(vars(new))
-    for name, value in vars(child).items():
+    new.__class__ = cls
+    for attr, value in vars(child).items():
         # the float weight and bias are what the quantized layer replaced
-        if name.startswith("_") or name in own or name in ("kernel", "embedding", "bias") or hasattr(type(new), name):
+        if attr.startswith("_") or attr in own or attr in ("kernel", "embedding", "bias"):
             continue
-        setattr(new, name, value)
+        setattr(new, attr, value)
     return new
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from q4jax._src.layers import Linear4bit, Linear8bit, out_sharded
+from q4jax._src.layers import Linear4bit, Linear8bit, WeightShape, out_sharded
 
 
 class Unsupported(ValueError):
@@ -162,6 +162,7 @@ class _Projection(nnx.Module):
     split: KernelSplit
     n_shared: int
     kernel_shape: tuple[int, ...]
+    param_dtype: Any
     bias: Any  # nnx.Param of the float layer's bias shape, or None
 
     def _project(self, x, xs: str, ys: str):
@@ -198,6 +199,12 @@ class _Projection(nnx.Module):
         if self.bias is None:
             return y
         return y + jnp.reshape(self.bias.get_value(), bias_shape).astype(y.dtype)
+
+    @property
+    def kernel(self) -> WeightShape:
+        """The float layer's kernel as a shape and dtype (no float value):
+        ``layer.kernel.shape`` answers as it did."""
+        return WeightShape(self.kernel_shape, self.param_dtype, type(self).__name__, "kernel")
 
     @property
     def stack_shape(self) -> tuple[int, ...]:

@@ -202,10 +202,14 @@ def test_quantized_projection_keeps_the_float_layers_attributes():
 
 
 class Embedder(nnx.Embed):
-    """Gemma's pattern: a scaled lookup and the tied output head, as methods of a subclass."""
+    """Gemma's pattern (flax/examples/gemma ScaledEmbed): __call__ overridden through
+    super() to scale the lookup, and the tied output head, as methods of a subclass."""
+
+    def __call__(self, ids, out_sharding=None):
+        return super().__call__(ids, out_sharding) * jnp.sqrt(jnp.float32(self.features))
 
     def encode(self, ids):
-        return self(ids) * jnp.sqrt(jnp.float32(self.features))
+        return self(ids)
 
     def decode(self, h, out_sharding=None):
         return self.attend(h, out_sharding=out_sharding)
@@ -228,11 +232,15 @@ class Attention(nnx.Module):
         self.kv_einsum = nnx.Einsum("BSD,CKDH->CBSKH", (2, heads // 2, d, head_dim), rngs=rngs)
         self.attn_vec_einsum = nnx.Einsum("BTNH,NHD->BTD", (heads, head_dim, d), rngs=rngs)
 
+    @property
+    def head_dim(self):  # as flax/examples/gemma reads it
+        return self.attn_vec_einsum.kernel.shape[1]
+
     def __call__(self, x):
         q = self.q_einsum(x, out_sharding=None)
         k, v = self.kv_einsum(x, out_sharding=None)
         k, v = (jnp.repeat(a, 2, axis=2) for a in (k, v))
-        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / jnp.sqrt(q.shape[-1])
+        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / jnp.sqrt(self.head_dim)
         t = x.shape[1]
         logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
         probs = jax.nn.softmax(logits, axis=-1)
@@ -314,6 +322,11 @@ def test_gemma_style_decoder_quantizes_completely_and_runs():
     assert len(report.quantized) == 1 + 2 * 6  # the embedder (tied head), 3 einsums + 3 linears a block
     assert type(q.embedder).__name__ == "Embedder4bit" and isinstance(q.embedder, q4jax.nn.Embedding4bit)
     assert isinstance(q.blocks[0].gate_proj, Linear4bit) and q.blocks[0].gate_proj.gain == 0.5
+    # shape queries answer as on the float layers; a float value is refused with the way to get one
+    assert q.blocks[0].attn.head_dim == 16 and q.embedder.embedding.shape == (96, 64)
+    assert q.blocks[0].up_proj.kernel.shape == (64, 128)
+    with pytest.raises(AttributeError, match=r"kernel is quantized: it has a shape \(4, 16, 64\)"):
+        _ = q.blocks[0].attn.attn_vec_einsum.kernel.value
     # eager, jit and the sampling loop run; logits equal the float model on the dequantized weights
     logits = q(ids)
     # (XLA fuses the model's own float code differently under jit: fp32 rounding only)
@@ -452,6 +465,15 @@ class RawWeight(nnx.Module):
 
 
 class OwnCall(nnx.Linear):
+    """Overrides the call and reads the float kernel itself: cannot stand over a quantized layer."""
+
+    def __call__(self, x):
+        return x @ self.kernel[...] * 2
+
+
+class ThroughSuper(nnx.Linear):
+    """Overrides the call through super(): quantized, its own call kept."""
+
     def __call__(self, x):
         return super().__call__(x) * 2
 
@@ -465,6 +487,7 @@ class Zoo(nnx.Module):
         self.raw = RawWeight(rngs)
         self.own = OwnCall(64, 64, rngs=rngs)
         self.odd = nnx.Linear(96, 64, rngs=rngs)  # in_features not a multiple of 64: no W4A8
+        self.sup = ThroughSuper(64, 64, rngs=rngs)
 
 
 def _rows(report):
@@ -474,11 +497,11 @@ def _rows(report):
 def test_report_names_every_layer_left_float_and_why(caplog):
     with caplog.at_level(logging.INFO, logger="q4jax"):
         _, report = q4jax.quantize_model(Zoo(nnx.Rngs(0)), "nf4", activation_quant="int8", return_report=True)
-    assert {r.path for r in report.quantized} == {"lin"}
+    assert {r.path: r.detail for r in report.quantized} == {"lin": "Linear4bit (nf4)", "sup": "ThroughSuper4bit (nf4)"}
     rows = _rows(report)
     assert rows["lm_head"] == "skip rule"
     assert rows["embed"] == "embeddings=False"
-    assert rows["own"].startswith("OwnCall overrides __call__")
+    assert rows["own"].startswith("OwnCall.__call__ reads self.kernel itself")
     assert rows["odd"].startswith("activation_quant='int8'") and "96" in rows["odd"]
     assert rows["conv.kernel"].startswith("a float parameter (3, 64, 64) of nnx.Conv")
     assert rows["raw.w"].startswith("a float parameter (64, 32) of RawWeight")
@@ -575,3 +598,13 @@ def test_einsum_checkpoint_is_the_2d_matrix_and_reloads(tmp_path):
     np.testing.assert_array_equal(np.asarray(reloaded["q"](x)), np.asarray(q["q"](x)))
     h = jnp.ones((2, 5, 4, 16))
     np.testing.assert_array_equal(np.asarray(reloaded["o"](h)), np.asarray(q["o"](h)))
+
+
+def test_a_subclass_overriding_the_call_through_super_keeps_its_call():
+    """ThroughSuper doubles nnx.Linear's output: quantized, it doubles the quantized output."""
+    layer = ThroughSuper(64, 64, rngs=nnx.Rngs(0))
+    plain = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    m = q4jax.quantize_model(nnx.Dict(a=layer, b=plain), "nf4")
+    assert isinstance(m["a"], ThroughSuper) and isinstance(m["a"], Linear4bit)
+    x = jnp.ones((3, 64))
+    np.testing.assert_array_equal(np.asarray(m["a"](x)), 2 * np.asarray(m["b"](x)))
