@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 
+import q4  # noqa: E402
 import q4jax  # noqa: E402
 import q4torch.hf  # noqa: E402
 from examples.llm import flax_llama as FL  # noqa: E402
@@ -115,3 +116,40 @@ def test_torch_compile_fullgraph_runs_a_q4_decoder_layer(folders):
     want = want[0] if isinstance(want, tuple) else want
     got = got[0] if isinstance(got, tuple) else got
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_gguf_writer_round_trips_the_weights(folders, tmp_path):
+    """benchmarks/llm_gguf.py (llama.cpp's contestant): every tensor read back from the
+    GGUF is the folder's, rounded once to fp16 (norms fp32), Q / K rows in llama.cpp's
+    RoPE order (undone here with the inverse permutation), the layout metadata set."""
+    gguf = pytest.importorskip("gguf")
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "q4_llm_gguf", Path(__file__).parents[2] / "benchmarks" / "llm_gguf.py"
+    )
+    llm_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llm_gguf)
+    float_dir, _ = folders
+    reader = gguf.GGUFReader(str(llm_gguf.write_gguf(float_dir, tmp_path / "m.gguf")))
+    cfg = M.read_config(float_dir)
+    src = q4.checkpoint.load_checkpoint(float_dir)
+    got = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert int(reader.fields["llama.attention.head_count_kv"].parts[-1][0]) == cfg["num_key_value_heads"]
+    assert got["token_embd.weight"].tobytes() == src["model.embed_tokens.weight"].astype(np.float16).tobytes()
+    assert "output.weight" not in got  # tied: llama.cpp uses token_embd as the head
+    for i in range(cfg["num_hidden_layers"]):
+        q = llm_gguf.unpermute_rows(got[f"blk.{i}.attn_q.weight"], cfg["num_attention_heads"])
+        k = llm_gguf.unpermute_rows(got[f"blk.{i}.attn_k.weight"], cfg["num_key_value_heads"])
+        pre = f"model.layers.{i}."
+        assert q.tobytes() == src[pre + "self_attn.q_proj.weight"].astype(np.float16).tobytes()
+        assert k.tobytes() == src[pre + "self_attn.k_proj.weight"].astype(np.float16).tobytes()
+        assert (
+            got[f"blk.{i}.ffn_down.weight"].tobytes() == src[pre + "mlp.down_proj.weight"].astype(np.float16).tobytes()
+        )
+        assert np.array_equal(got[f"blk.{i}.attn_norm.weight"], src[pre + "input_layernorm.weight"])
+    # llama3 factors: 1 at high frequencies, `factor` at low ones, as transformers scales them
+    factors = got["rope_freqs.weight"]
+    inv = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
+    np.testing.assert_allclose(inv / factors, FL.rope_frequencies(cfg), rtol=1e-6)

@@ -1,0 +1,309 @@
+"""A Llama-family decoder end to end (examples/llm: Llama 3 shapes, random weights),
+each contestant in a process of its own, run one after the other:
+
+  q4torch   transformers + q4torch.hf.Q4Config("nf4"), bf16 compute (eager)
+  q4jax     examples/llm/flax_llama.py over the same NF4 bytes, bf16, jitted decode step
+  bnb       transformers + BitsAndBytesConfig(nf4, bf16), eval + inference_mode (its fused CPU path)
+  bf16      transformers, dense bf16
+  llamacpp  llama.cpp (the PyPI llama-cpp-python) on a GGUF of the same weights, Q4_0 and Q4_K_M
+            quantized by llama.cpp's own quantizer (benchmarks/llm_gguf.py; installed on first use)
+
+For each: load time and the process's resident / peak memory after loading; prefill
+tokens/s of a --prefill-token prompt (one forward); decode tokens/s at batch 1 after a
+--prompt-token prompt (greedy, through the KV cache, --decode tokens, the median step)
+and at batch 8. The decode floor is the bytes a token reads (the weights each contestant
+holds, plus its float head) over the DRAM bandwidth measured in the same run; each
+contestant's share of it is printed.
+
+  python benchmarks/llm.py [--size tiny|1b|7b] [--contestants q4torch,q4jax,...]
+
+Writes bench-results/llm-<size>.json. Never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CONTESTANTS = ("q4torch", "q4jax", "bnb", "bf16", "llamacpp-q4_0", "llamacpp-q4_k_m")
+CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
+
+
+def _rss() -> tuple[float, float]:
+    """(resident, peak resident) of this process, in MB (VmRSS, VmHWM)."""
+    vals = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS", "VmHWM")):
+            vals[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+
+
+def _median_step(step, n: int) -> float:
+    """Median seconds of one call of step() over n calls (each call decodes one token)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------ contestants (child processes)
+
+
+def _torch_run(kind: str, folder: Path, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    if kind == "q4torch":
+        import q4torch.hf
+
+        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
+    elif kind == "bnb":
+        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model.eval()
+    load_s = time.perf_counter() - t0
+    rss, peak = _rss()
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    vocab = model.config.vocab_size
+    rng = torch.Generator().manual_seed(0)
+    out = {"load_s": load_s, "rss_mb": rss, "peak_mb": peak, "held_bytes": weight_bytes}
+
+    with torch.inference_mode():
+        prompt = torch.randint(0, vocab, (1, args.prefill), generator=rng)
+        model(prompt)  # warm
+        t0 = time.perf_counter()
+        model(prompt)
+        out["prefill_tok_s"] = args.prefill / (time.perf_counter() - t0)
+        for batch in (1, 8):
+            prompt = torch.randint(0, vocab, (batch, args.prompt), generator=rng)
+            cache = DynamicCache(config=model.config)
+            logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+            state = {"tok": logits.argmax(-1, keepdim=True), "cache": cache}
+
+            def step(state=state):
+                lg = model(state["tok"], past_key_values=state["cache"], use_cache=True).logits[:, -1]
+                state["tok"] = lg.argmax(-1, keepdim=True)
+
+            for _ in range(2):
+                step()
+            out[f"decode_b{batch}_tok_s"] = batch / _median_step(step, args.decode)
+    return out
+
+
+def _jax_run(folder: Path, args) -> dict:
+    os.environ.setdefault("XLA_FLAGS", f"--xla_cpu_multi_thread_eigen=true intra_op_parallelism_threads={args.threads}")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from examples.llm import flax_llama as FL
+
+    t0 = time.perf_counter()
+    model = FL.load(folder, jnp.bfloat16)
+    jax.block_until_ready(nnx.state(model))
+    load_s = time.perf_counter() - t0
+    rss, peak = _rss()
+    held = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))
+    out = {"load_s": load_s, "rss_mb": rss, "peak_mb": peak, "held_bytes": held}
+    vocab = model.cfg["vocab_size"]
+    rng = np.random.default_rng(0)
+    step = FL.decode_step(model)
+    prompt = jnp.asarray(rng.integers(0, vocab, (1, args.prefill)), jnp.int32)
+    for _ in range(2):
+        logits, _ = step(prompt, model.init_cache(1, args.prefill), jnp.int32(0))
+        logits.block_until_ready()
+    caches = model.init_cache(1, args.prefill)
+    t0 = time.perf_counter()
+    step(prompt, caches, jnp.int32(0))[0].block_until_ready()
+    out["prefill_tok_s"] = args.prefill / (time.perf_counter() - t0)
+    for batch in (1, 8):
+        prompt = jnp.asarray(rng.integers(0, vocab, (batch, args.prompt)), jnp.int32)
+        max_len = args.prompt + args.decode + 4
+        logits, caches = step(prompt, model.init_cache(batch, max_len), jnp.int32(0))
+        state = {"tok": jnp.argmax(logits, -1).astype(jnp.int32)[:, None], "caches": caches, "pos": args.prompt}
+
+        def one(state=state):
+            lg, state["caches"] = step(state["tok"], state["caches"], jnp.int32(state["pos"]))
+            state["tok"] = jnp.argmax(lg, -1).astype(jnp.int32)[:, None]
+            state["tok"].block_until_ready()
+            state["pos"] += 1
+
+        one()
+        out[f"decode_b{batch}_tok_s"] = batch / _median_step(one, args.decode)
+    return out
+
+
+def _llamacpp_run(kind: str, folder: Path, args) -> dict:
+    from llm_gguf import gguf_file, load_llama_cpp
+
+    llama_cpp = load_llama_cpp()
+    qtype = kind.split("-", 1)[1]
+    path = gguf_file(folder, qtype)
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=max(args.prefill, args.prompt + args.decode) + 8, n_threads=args.threads,
+        n_threads_batch=args.threads, n_batch=args.prefill, logits_all=False, verbose=False,
+    )  # fmt: skip
+    load_s = time.perf_counter() - t0
+    rss, peak = _rss()
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    vocab = llm.n_vocab()
+    out = {"load_s": load_s, "rss_mb": rss, "peak_mb": peak, "held_bytes": path.stat().st_size}
+    prompt = [int(t) for t in rng.integers(0, vocab, args.prefill)]
+    llm.reset()
+    llm.eval(prompt)  # warm
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    out["prefill_tok_s"] = args.prefill / (time.perf_counter() - t0)
+    llm.reset()
+    llm.eval([int(t) for t in rng.integers(0, vocab, args.prompt)])
+
+    def step():
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        llm.eval([tok])
+
+    step()
+    out["decode_b1_tok_s"] = 1 / _median_step(step, args.decode)
+    return out
+
+
+def child(name: str, folder: Path, args) -> dict:
+    if name in ("q4torch", "bnb", "bf16"):
+        return _torch_run(name, folder, args)
+    if name == "q4jax":
+        return _jax_run(folder / "q4-nf4", args)
+    if name.startswith("llamacpp-"):
+        return _llamacpp_run(name, folder, args)
+    raise ValueError(f"unknown contestant {name!r}; one of {CONTESTANTS}")
+
+
+# ------------------------------------------------------------------ parent
+
+
+def prepare(size: str) -> Path:
+    """The bf16 float folder of ``size`` (cached) and, beside it, the NF4 folder q4torch
+    writes from it (q4-nf4/: the bytes q4jax decodes from)."""
+    folder = CACHE / f"llama-{size}"
+    if not (folder / "config.json").exists():
+        from examples.llm import model as M
+
+        print(f"writing the {size} decoder (random weights) to {folder} ...", flush=True)
+        M.make_folder(folder, size)
+    nf4 = folder / "q4-nf4"
+    if not (nf4 / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        import q4torch.hf
+
+        print(f"quantizing it with q4torch (Q4Config nf4) into {nf4} ...", flush=True)
+        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16)
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc).save_pretrained(nf4)
+    return folder
+
+
+def bytes_per_token(folder: Path) -> dict:
+    """Bytes a batch-1 token reads, by contestant family: every weight it holds except
+    the embedding table (one row), the output head included (tied: the embedding's
+    bytes again as the head's)."""
+    import q4
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tensors = q4.checkpoint.load_checkpoint(folder / "q4-nf4")
+    emb = "model.embed_tokens.weight"
+    q4_bytes = sum(v.nbytes for k, v in tensors.items() if k != emb)
+    head = tensors[emb].nbytes if cfg.get("tie_word_embeddings") else 0
+    return {"q4 (NF4 linears, bf16 head)": q4_bytes + head}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1b", choices=("tiny", "1b", "7b"))
+    ap.add_argument("--contestants", default=",".join(CONTESTANTS))
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding (default 128)")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (default 512)")
+    ap.add_argument("--decode", type=int, default=24, help="decode steps timed (default 24)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.size == "tiny":
+        args.prefill, args.prompt, args.decode = min(args.prefill, 64), min(args.prompt, 16), min(args.decode, 8)
+    if args.child:
+        folder = prepare(args.size)
+        print("RESULT " + json.dumps(child(args.child, folder, args)), flush=True)
+        return 0
+
+    from common import print_header, print_table, write_json
+
+    head = print_header(f"LLM end to end: Llama 3 {args.size} shape, random weights")
+    folder = prepare(args.size)
+    floor_bytes = bytes_per_token(folder)
+    bw = head["roofline"]["dram_read_gbs"] * 1e9
+    results = {}
+    for name in args.contestants.split(","):
+        cmd = [sys.executable, __file__, "--child", name, "--size", args.size, "--prompt", str(args.prompt),
+               "--prefill", str(args.prefill), "--decode", str(args.decode), "--threads", str(args.threads)]  # fmt: skip
+        print(f"-- {name} ...", flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+        if r.returncode != 0 or not line:
+            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+            print(f"   {name}: not run ({' / '.join(tail)})")
+            results[name] = {"error": "\n".join(tail)}
+            continue
+        results[name] = json.loads(line[0][len("RESULT ") :])
+    rows = []
+    q4_floor_ms = next(iter(floor_bytes.values())) / bw * 1e3
+    for name, r in results.items():
+        if "error" in r:
+            continue
+        b1 = r.get("decode_b1_tok_s")
+        floor_ms = r["held_bytes"] / bw * 1e3 if name.startswith("llamacpp") else q4_floor_ms
+        rows.append([
+            name, r["load_s"], r["rss_mb"], r["peak_mb"], r["prefill_tok_s"], b1, 1e3 / b1 if b1 else None,
+            r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None,
+        ])  # fmt: skip
+    print_table(
+        f"Llama 3 {args.size}, {args.threads} threads; prefill {args.prefill} tokens, decode after {args.prompt}",
+        ["contestant", "load s", "RSS MB", "peak MB", "prefill tok/s", "decode b1 tok/s", "ms/token",
+         "decode b8 tok/s", "share of floor"],
+        rows,
+    )  # fmt: skip
+    for what, n in floor_bytes.items():
+        print(f"decode floor, {what}: {n / 1e6:.0f} MB a token / {bw / 1e9:.1f} GB/s = {n / bw * 1e3:.1f} ms")
+    base = results.get("llamacpp-q4_0", {})
+    for name, r in results.items():
+        if "error" in r or not base.get("decode_b1_tok_s") or name.startswith("llamacpp"):
+            continue
+        print(
+            f"{name} / llama.cpp Q4_0: decode b1 {r['decode_b1_tok_s'] / base['decode_b1_tok_s']:.2f}x, "
+            f"prefill {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x"
+        )
+    path = write_json(f"llm-{args.size}", {**head, "args": vars(args), "floor_bytes": floor_bytes, "results": results})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
