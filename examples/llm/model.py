@@ -9,7 +9,7 @@ from pathlib import Path
 
 # Llama-3.2-1B's shapes; "tiny" keeps every feature (GQA 2:1, tied head, llama3 RoPE)
 SIZES = {
-    "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=256),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072),

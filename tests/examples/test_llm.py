@@ -153,3 +153,30 @@ def test_gguf_writer_round_trips_the_weights(folders, tmp_path):
     factors = got["rope_freqs.weight"]
     inv = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
     np.testing.assert_allclose(inv / factors, FL.rope_frequencies(cfg), rtol=1e-6)
+
+
+def test_quantize_head_unties_and_quantizes_the_tied_head(folders, tmp_path):
+    """Q4Config(quantize_head=True): the tied head becomes a Linear4bit holding the
+    quantization of the embedding's table (the embedding stays float for lookups);
+    the saved folder stores it untied and reloads as it was, in both frameworks."""
+    import q4torch.functional as F
+
+    float_dir, _ = folders
+    q = transformers.AutoModelForCausalLM.from_pretrained(
+        float_dir, dtype=torch.float32, quantization_config=q4torch.hf.Q4Config("nf4", quantize_head=True)
+    ).eval()
+    assert type(q.lm_head).__name__ == "Linear4bit" and type(q.model.embed_tokens) is torch.nn.Embedding
+    assert not q.config.tie_word_embeddings
+    packed, _ = F.quantize_4bit(q.model.embed_tokens.weight.detach(), blocksize=64, quant_type="nf4")
+    assert torch.equal(q.lm_head.weight.data.view(torch.uint8), packed)
+    with torch.no_grad():
+        want = q(torch.from_numpy(PROMPT)).logits
+    q.save_pretrained(tmp_path)
+    again = _torch_model(tmp_path)
+    assert type(again.lm_head).__name__ == "Linear4bit"
+    with torch.no_grad():
+        assert torch.equal(again(torch.from_numpy(PROMPT)).logits, want)
+    fm = FL.load(tmp_path)
+    assert isinstance(fm.lm_head, q4jax.nn.Linear4bit)
+    got, _ = fm(jnp.asarray(PROMPT), fm.init_cache(2, 16), jnp.int32(0))
+    _close(got, want.numpy())
