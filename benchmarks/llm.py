@@ -2,7 +2,9 @@
 each contestant in a process of its own, run one after the other:
 
   q4torch   transformers + q4torch.hf.Q4Config("nf4"), bf16 compute (eager)
+  q4torch+head   the same with Q4Config(quantize_head=True): the tied head in NF4 too
   q4jax     examples/llm/flax_llama.py over the same NF4 bytes, bf16, jitted decode step
+  q4jax+head     the same over the quantize_head folder
   bnb       transformers + BitsAndBytesConfig(nf4, bf16), eval + inference_mode (its fused CPU path)
   bf16      transformers, dense bf16
   llamacpp  llama.cpp (the PyPI llama-cpp-python) on a GGUF of the same weights, Q4_0 and Q4_K_M
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CONTESTANTS = ("q4torch", "q4jax", "bnb", "bf16", "llamacpp-q4_0", "llamacpp-q4_k_m")
+CONTESTANTS = ("q4torch", "q4torch+head", "q4jax", "q4jax+head", "bnb", "bf16", "llamacpp-q4_0", "llamacpp-q4_k_m")
 CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
 
 
@@ -67,10 +69,10 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    if kind == "q4torch":
+    if kind.startswith("q4torch"):
         import q4torch.hf
 
-        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16)
+        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16, quantize_head=kind.endswith("+head"))
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
     elif kind == "bnb":
         qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
@@ -189,10 +191,10 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
 
 
 def child(name: str, folder: Path, args) -> dict:
-    if name in ("q4torch", "bnb", "bf16"):
+    if name in ("q4torch", "q4torch+head", "bnb", "bf16"):
         return _torch_run(name, folder, args)
-    if name == "q4jax":
-        return _jax_run(folder / "q4-nf4", args)
+    if name in ("q4jax", "q4jax+head"):
+        return _jax_run(folder / ("q4-nf4-head" if name.endswith("+head") else "q4-nf4"), args)
     if name.startswith("llamacpp-"):
         return _llamacpp_run(name, folder, args)
     raise ValueError(f"unknown contestant {name!r}; one of {CONTESTANTS}")
@@ -210,31 +212,38 @@ def prepare(size: str) -> Path:
 
         print(f"writing the {size} decoder (random weights) to {folder} ...", flush=True)
         M.make_folder(folder, size)
-    nf4 = folder / "q4-nf4"
-    if not (nf4 / "config.json").exists():
-        import torch
-        from transformers import AutoModelForCausalLM
+    for head in (False, True):
+        nf4 = folder / ("q4-nf4-head" if head else "q4-nf4")
+        if not (nf4 / "config.json").exists():
+            import torch
+            from transformers import AutoModelForCausalLM
 
-        import q4torch.hf
+            import q4torch.hf
 
-        print(f"quantizing it with q4torch (Q4Config nf4) into {nf4} ...", flush=True)
-        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16)
-        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc).save_pretrained(nf4)
+            print(f"quantizing it with q4torch (Q4Config nf4, quantize_head={head}) into {nf4} ...", flush=True)
+            qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16, quantize_head=head)
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
+            model.save_pretrained(nf4)
+            del model
     return folder
 
 
 def bytes_per_token(folder: Path) -> dict:
-    """Bytes a batch-1 token reads, by contestant family: every weight it holds except
-    the embedding table (one row), the output head included (tied: the embedding's
-    bytes again as the head's)."""
+    """Bytes a batch-1 token reads: every weight held except the input embedding table
+    (one row a token), the output head included (tied: the embedding's bytes again)."""
     import q4
 
     cfg = json.loads((folder / "config.json").read_text())
-    tensors = q4.checkpoint.load_checkpoint(folder / "q4-nf4")
-    emb = "model.embed_tokens.weight"
-    q4_bytes = sum(v.nbytes for k, v in tensors.items() if k != emb)
-    head = tensors[emb].nbytes if cfg.get("tie_word_embeddings") else 0
-    return {"q4 (NF4 linears, bf16 head)": q4_bytes + head}
+    out = {}
+    for sub, what in (("q4-nf4", "q4, bf16 head"), ("q4-nf4-head", "q4+head, NF4 head")):
+        tensors = q4.checkpoint.load_checkpoint(folder / sub)
+        sub_cfg = json.loads((folder / sub / "config.json").read_text())
+        emb = "model.embed_tokens.weight"
+        n = sum(v.nbytes for k, v in tensors.items() if k != emb)
+        out[what] = n + (
+            tensors[emb].nbytes if sub_cfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings")) else 0
+        )
+    return out
 
 
 def main(argv=None) -> int:
@@ -274,12 +283,15 @@ def main(argv=None) -> int:
             continue
         results[name] = json.loads(line[0][len("RESULT ") :])
     rows = []
-    q4_floor_ms = next(iter(floor_bytes.values())) / bw * 1e3
+    floors = list(floor_bytes.values())
     for name, r in results.items():
         if "error" in r:
             continue
         b1 = r.get("decode_b1_tok_s")
-        floor_ms = r["held_bytes"] / bw * 1e3 if name.startswith("llamacpp") else q4_floor_ms
+        if name.startswith("llamacpp"):
+            floor_ms = r["held_bytes"] / bw * 1e3
+        else:
+            floor_ms = floors[1 if name.endswith("+head") else 0] / bw * 1e3
         rows.append([
             name, r["load_s"], r["rss_mb"], r["peak_mb"], r["prefill_tok_s"], b1, 1e3 / b1 if b1 else None,
             r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None,
