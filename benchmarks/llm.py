@@ -41,13 +41,15 @@ CONTESTANTS = ("q4torch", "q4torch+head", "q4jax", "q4jax+head", "bnb", "bf16", 
 CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
 
 
-def _rss() -> tuple[float, float]:
-    """(resident, peak resident) of this process, in MB (VmRSS, VmHWM)."""
+def _rss() -> tuple[float, float, float]:
+    """(resident, peak resident, resident anonymous) memory of this process in MB
+    (VmRSS, VmHWM, RssAnon: the last leaves out file pages, such as a safetensors
+    file mapped while loading, which the kernel drops under pressure)."""
     vals = {}
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS", "VmHWM")):
+        if line.startswith(("VmRSS", "VmHWM", "RssAnon")):
             vals[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0), vals.get("RssAnon", 0.0)
 
 
 def _median_step(step, n: int) -> float:
@@ -81,11 +83,11 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     model.eval()
     load_s = time.perf_counter() - t0
-    rss, peak = _rss()
+    rss, peak, anon = _rss()
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     vocab = model.config.vocab_size
     rng = torch.Generator().manual_seed(0)
-    out = {"load_s": load_s, "rss_mb": rss, "peak_mb": peak, "held_bytes": weight_bytes}
+    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": weight_bytes}
 
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (1, args.prefill), generator=rng)
@@ -122,9 +124,9 @@ def _jax_run(folder: Path, args) -> dict:
     model = FL.load(folder, jnp.bfloat16)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
-    rss, peak = _rss()
+    rss, peak, anon = _rss()
     held = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))
-    out = {"load_s": load_s, "rss_mb": rss, "peak_mb": peak, "held_bytes": held}
+    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": held}
     vocab = model.cfg["vocab_size"]
     rng = np.random.default_rng(0)
     step = FL.decode_step(model)
@@ -165,12 +167,12 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
         n_threads_batch=args.threads, n_batch=args.prefill, logits_all=False, verbose=False,
     )  # fmt: skip
     load_s = time.perf_counter() - t0
-    rss, peak = _rss()
+    rss, peak, anon = _rss()
     import numpy as np
 
     rng = np.random.default_rng(0)
     vocab = llm.n_vocab()
-    out = {"load_s": load_s, "rss_mb": rss, "peak_mb": peak, "held_bytes": path.stat().st_size}
+    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": path.stat().st_size}
     prompt = [int(t) for t in rng.integers(0, vocab, args.prefill)]
     llm.reset()
     llm.eval(prompt)  # warm
@@ -293,12 +295,14 @@ def main(argv=None) -> int:
         else:
             floor_ms = floors[1 if name.endswith("+head") else 0] / bw * 1e3
         rows.append([
-            name, r["load_s"], r["rss_mb"], r["peak_mb"], r["prefill_tok_s"], b1, 1e3 / b1 if b1 else None,
+            name, r["load_s"], r["rss_mb"], r["anon_mb"], r["peak_mb"], r["held_bytes"] / 1e6, r["prefill_tok_s"], b1,
+            1e3 / b1 if b1 else None,
             r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None,
         ])  # fmt: skip
     print_table(
         f"Llama 3 {args.size}, {args.threads} threads; prefill {args.prefill} tokens, decode after {args.prompt}",
-        ["contestant", "load s", "RSS MB", "peak MB", "prefill tok/s", "decode b1 tok/s", "ms/token",
+        ["contestant", "load s", "RSS MB", "anon MB", "peak MB", "weights MB", "prefill tok/s", "decode b1 tok/s",
+         "ms/token",
          "decode b8 tok/s", "share of floor"],
         rows,
     )  # fmt: skip

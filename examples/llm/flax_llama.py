@@ -160,7 +160,9 @@ def load(folder, dtype=jnp.float32) -> LlamaForCausalLM:
     bytes (q4jax.load_quantized), the rest (embedding, norms) by name."""
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    model = LlamaForCausalLM(cfg, dtype)
+    # built abstract (shapes only): the folder's tensors are the only weights ever held
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype))
+    model.inv_freq.set_value(jnp.asarray(rope_frequencies(cfg)))
     tensors = q4.checkpoint.load_checkpoint(folder)
     quantized = q4.checkpoint.quantized_groups(tensors)
     rest = q4jax.load_quantized(model, tensors) if quantized else dict(tensors)
@@ -178,6 +180,10 @@ def load(folder, dtype=jnp.float32) -> LlamaForCausalLM:
             node.weight.set_value(jnp.asarray(value, node.weight.get_value().dtype))
         elif name != "lm_head.weight" or not model.tied:
             raise ValueError(f"{folder}: tensor {name!r} maps to no parameter of the Flax decoder")
+    unset = [jax.tree_util.keystr(p) for p, v in jax.tree.leaves_with_path(nnx.state(model))
+             if isinstance(v, jax.ShapeDtypeStruct)]  # fmt: skip
+    if unset:
+        raise ValueError(f"{folder}: no tensor for {unset[:8]}")
     return model
 
 

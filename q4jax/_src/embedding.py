@@ -51,6 +51,7 @@ from q4jax._src.layers import (
     _float_dtype_name,
     _host_copy,
     check_int8_entries,
+    concrete,
     out_sharded,
 )
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
@@ -241,7 +242,7 @@ def _table_shape(self) -> WeightShape:
 def _from_embed_args(embed: nnx.Embed) -> dict:
     if not isinstance(embed, nnx.Embed):
         raise TypeError(f"from_embed expects an nnx.Embed, got {type(embed).__name__}")
-    table = embed.embedding.get_value()
+    table = concrete(embed.embedding.get_value())
     return dict(
         num_embeddings=embed.num_embeddings,
         features=embed.features,

@@ -96,12 +96,19 @@ def out_sharded(y: jax.Array, out_sharding) -> jax.Array:
     return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
 
 
+def concrete(value):
+    """A Variable's value; an abstract one (a model built under nnx.eval_shape, to be
+    filled from a checkpoint) as zeros of its shape and dtype: a placeholder the load
+    replaces, so loading never materialises a randomly initialised float model."""
+    return jnp.zeros(value.shape, value.dtype) if isinstance(value, jax.ShapeDtypeStruct) else value
+
+
 def _from_linear_args(linear: nnx.Linear) -> dict:
     """Constructor arguments that rebuild `linear`'s shape, dtypes, kernel and bias."""
     if not isinstance(linear, nnx.Linear):
         raise TypeError(f"from_linear expects an nnx.Linear, got {type(linear).__name__}")
-    kernel = linear.kernel.get_value()
-    bias = None if linear.bias is None else linear.bias.get_value()
+    kernel = concrete(linear.kernel.get_value())
+    bias = None if linear.bias is None else concrete(linear.bias.get_value())
     return dict(
         in_features=linear.in_features,
         out_features=linear.out_features,

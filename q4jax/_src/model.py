@@ -18,7 +18,7 @@ from q4._src import formats, quantizers
 from q4._src.report import EMBEDDINGS_OFF, SKIP_RULE, QuantizeReport, ReportRow
 from q4._src.weights import quantize_weight_4bit
 from q4jax._src.embedding import Embedding4bit, Embedding8bit
-from q4jax._src.layers import Linear4bit, Linear8bit
+from q4jax._src.layers import Linear4bit, Linear8bit, concrete
 from q4jax._src.projection import (
     KernelSplit,
     QuantizedEinsum,
@@ -333,7 +333,7 @@ def quantized_layer(child, kind: str, settings: dict, name: str, method: str = "
     quant_type = settings["quant_type"]
     lead = _stack_dims(child, kind)
     if kind == "embed":
-        table = np.asarray(child.embedding.get_value())
+        table = child.embedding.get_value()
         if lead:
             raise ValueError(f"{name}: a stacked ({list(table.shape[:lead])}) embedding is not supported")
         if quant_type == "int8":
@@ -349,13 +349,13 @@ def quantized_layer(child, kind: str, settings: dict, name: str, method: str = "
         raise ValueError(
             f"{name}: method='gptq' needs an eager calibration pass, which a stacked (nnx.vmap) layer has not"
         )
-    kernel = np.asarray(child.kernel.get_value())
+    kernel = np.asarray(concrete(child.kernel.get_value()))
     if kind in ("linear", "lora"):
         w = np.swapaxes(kernel, -1, -2)[..., None, :, :]  # [*lead, 1, out, in]
     else:
         w = matrix_of(kernel, _split_of(child, kind), lead)  # [*lead, S, out, in]
     stack = kernel.shape[:lead]
-    bias = None if child.bias is None else child.bias.get_value()
+    bias = None if child.bias is None else concrete(child.bias.get_value())
     flat = w.reshape(-1, *w.shape[-3:])
     with_bias = kind in ("linear", "lora") and bias is not None
     flat_bias = np.asarray(bias).reshape(-1, w.shape[-2]) if with_bias else [None] * len(flat)
