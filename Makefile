@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 BAZEL_LIB := build/bazel-lib/libq4.so
 
-.PHONY: demo test install install-demo cuda-check lint lint-only bazel sanitize fuzz bench pipes bnb-tests clean
+.PHONY: demo test docs install install-demo cuda-check lint lint-only bazel sanitize fuzz bench pipes bnb-tests clean
 
 STEP := scripts/step.sh
 
@@ -42,6 +42,11 @@ lint-only:
 	$(BIN)/mypy
 	$(BIN)/clang-format --dry-run --Werror $(shell git ls-files 'kernels/*.h' 'kernels/*.cc' 'kernels/*.cu' 'kernels/*.cuh')
 
+# the documentation site into build/docs (mkdocs --strict: a warning, such as a broken
+# link or a reference to a missing name, fails the build)
+docs: install
+	$(STEP) "docs: build the site (mkdocs --strict)" env NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 bazel: install
 	scripts/ensure_bazel.sh
 	$(STEP) "bazel: build libq4 with Bazel" scripts/bazel_build.sh $(BIN)/python build/bazel-lib
@@ -58,7 +63,7 @@ sanitize: install
 fuzz: install
 	$(FUZZ)
 
-test: lint bazel
+test: lint bazel docs
 	$(STEP) "pytest: the whole suite" $(BIN)/pytest
 	$(STEP) "pytest: kernel tests against the Bazel-built library ($(BAZEL_LIB))" \
 	  env Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/q4_reference -q

@@ -4,7 +4,7 @@ LLM.int8's forward (amx.int8_gemm against avx512_bf16's VNNI kernels), each
 beside torch's dense bf16 matmul (oneDNN, on AMX where the CPU has it) or
 torch._int_mm. Medians of interleaved repeats, ms; the kernel that ran is
 printed beside each figure. A development tool for the AMX kernels
-(kernels/README.md, "The AMX kernels"), not part of `make bench`.
+(kernels/NOTES.md, "The AMX kernels"), not part of `make bench`.
 
     PYTHONPATH=. Q4_LIBRARY=build/exp/libq4.so .venv/bin/python benchmarks/amx_dev.py \\
         [--ops fwd grad int8] [--batches 1 8 32 128 512] [--levels avx512_bf16 amx]

@@ -22,6 +22,10 @@ import numpy as np
 CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
 LLAMA_CPP_VERSION = "0.3.36"
 FTYPES = {"f16": 1, "q4_0": 2, "q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+# Built for this CPU without ggml's AMX backend: with it, llama.cpp 0.3.36 crashed (SIGSEGV in
+# llama_decode) on every batch of more than one token of a Q4_0 model on a Xeon with AMX
+# (2026-12-07); its AVX-512 VNNI kernels serve instead.
+CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -137,12 +141,12 @@ def load_llama_cpp():
         return llama_cpp
     except ImportError:
         pass
-    wheels = CACHE / "wheels"
+    wheels = CACHE / "wheels-noamx"
     found = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     if not found:
         print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source into {wheels} (once; 10-25 minutes) ...",
               file=sys.stderr, flush=True)  # fmt: skip
-        env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON"))
+        env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", CMAKE_ARGS))
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels),
                         f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)  # fmt: skip
         found = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))

@@ -1,7 +1,7 @@
 // Per-core throughput of the vector instructions the x86 kernels are built
 // from, alone and in the mixes the kernels issue: how many cycles one
 // instruction (or one pair) occupies on this core. It is the arithmetic
-// behind the "measured limits" in kernels/README.md and the README's speed
+// behind the "measured limits" in kernels/NOTES.md and the README's speed
 // section (which targets a CPU can reach at all).
 //
 //   make pipes    (g++ -O2 -march=native -o build/pipes benchmarks/pipes.cc && build/pipes)

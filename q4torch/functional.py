@@ -543,18 +543,22 @@ def dequantize_4bit(
 
 
 def quantize_fp4(A, absmax=None, out=None, blocksize=None, compress_statistics=False, quant_storage=torch.uint8):
+    """quantize_4bit with quant_type="fp4" (bitsandbytes' name)."""
     return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "fp4", quant_storage)
 
 
 def quantize_nf4(A, absmax=None, out=None, blocksize=None, compress_statistics=False, quant_storage=torch.uint8):
+    """quantize_4bit with quant_type="nf4" (bitsandbytes' name)."""
     return quantize_4bit(A, absmax, out, blocksize, compress_statistics, "nf4", quant_storage)
 
 
 def dequantize_fp4(A, quant_state=None, absmax=None, out=None, blocksize=None):
+    """dequantize_4bit of an FP4 weight (bitsandbytes' name)."""
     return dequantize_4bit(A, quant_state, absmax, out, blocksize, "fp4")
 
 
 def dequantize_nf4(A, quant_state=None, absmax=None, out=None, blocksize=None):
+    """dequantize_4bit of an NF4 weight (bitsandbytes' name)."""
     return dequantize_4bit(A, quant_state, absmax, out, blocksize, "nf4")
 
 

@@ -35,7 +35,7 @@ Q4_API int32_t q4_cpu_has_avx2(void);
 Q4_API int32_t q4_cpu_has_avx512(void);
 Q4_API int32_t q4_cpu_has_avx512_bf16(void);
 Q4_API int32_t q4_cpu_has_amx(void);
-/* isa levels: 0 scalar, 1 avx2, 2 avx512, 3 avx512_bf16 (see q4/kernels.h).
+/* isa levels: 0 scalar, 1 avx2, 2 avx512, 3 avx512_bf16, 4 amx (see q4/kernels.h).
  * Features, active level and each op's kernel chain as JSON; the string is
  * valid until this thread's next call. */
 Q4_API const char* q4_cpu_features_json(void);

@@ -2,7 +2,7 @@
 // chain of entries, best first; an entry returns false when it does not serve
 // the call (input dtype, shape) and the next one runs. The chain for each ISA
 // level is built once; the active level is the best the processor and the OS
-// support (features.cc: cpuid + XGETBV), or what Q4_ISA / set_cpu_isa name.
+// support (isa.cc: cpuid + XGETBV), or what Q4_ISA / set_cpu_isa name.
 //
 // Levels (each implies the ones below it):
 //   scalar       the reference kernels (always present, exact contracts)

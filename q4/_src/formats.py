@@ -34,14 +34,17 @@ def code_table(which: str) -> np.ndarray:
 
 
 def min_blocksize() -> int:
+    """The smallest 4-bit block size (32), read from the library."""
     return int(native.lib().q4_min_blocksize())
 
 
 def max_blocksize() -> int:
+    """The largest 4-bit block size (4096), read from the library."""
     return int(native.lib().q4_max_blocksize())
 
 
 def nested_blocksize() -> int:
+    """The block size of the nested (8-bit) quantization of the absmax (256)."""
     return int(native.lib().q4_nested_blocksize())
 
 

@@ -230,6 +230,7 @@ def quantize_blockwise(x: np.ndarray, blocksize: int = 4096, code: np.ndarray | 
 
 
 def dequantize_blockwise(codes, absmax, blocksize: int = 4096, code=None, offset=None, dtype="float32"):
+    """8-bit blockwise codes back to floats: code[codes] * absmax[block] (+ offset), bitsandbytes' dequantize_blockwise."""
     bs = formats.check_blocksize8(blocksize)
     codes = np.ascontiguousarray(codes, np.uint8)
     absmax = np.ascontiguousarray(absmax, np.float32)

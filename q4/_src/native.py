@@ -157,6 +157,7 @@ def lib() -> ctypes.CDLL:
 
 
 def library_path() -> Path:
+    """The path of the libq4.so this process loaded (Q4_LIBRARY, else the installed or built one)."""
     _load()
     assert _path is not None
     return _path
@@ -188,6 +189,7 @@ def has_cuda() -> bool:
 
 
 def cuda_device_count() -> int:
+    """The CUDA devices the library can use: 0 without CUDA kernels or without a GPU."""
     return int(lib().q4_cuda_device_count()) if has_cuda() else 0
 
 
@@ -222,10 +224,12 @@ def set_cpu_isa(isa: str) -> None:
 
 
 def cpu_has_avx2() -> bool:
+    """Whether this processor and OS support the avx2 level (AVX2 + FMA)."""
     return bool(lib().q4_cpu_has_avx2())
 
 
 def cpu_has_avx512() -> bool:
+    """Whether this processor and OS support the avx512 level (AVX-512 F/BW/VL)."""
     return bool(lib().q4_cpu_has_avx512())
 
 
@@ -252,6 +256,7 @@ def cpu_features() -> dict:
 
 
 def num_threads() -> int:
+    """The threads the CPU kernels use (Q4_NUM_THREADS, else OMP_NUM_THREADS, else all cores; set_num_threads)."""
     return int(lib().q4_cpu_num_threads())
 
 

@@ -510,6 +510,7 @@ def restore_bitsandbytes() -> None:
 
 
 def serves_bitsandbytes() -> bool:
+    """Whether q4 currently serves bitsandbytes-format configs in transformers (use_for_bitsandbytes)."""
     return all(hf_auto.AUTO_QUANTIZER_MAPPING[key] is Q4HfQuantizer for key in _BNB_METHODS)
 
 

@@ -208,7 +208,7 @@ void forward(const Gemm4bitParams& p, const ScaleDecoder& scales) {
   // through the C ABI, alternating rounds of both builds: from DRAM batch 4
   // 0.94-1.05 -> 0.88-0.99 ms, batch 8 1.01-1.02 -> 0.94-0.97, batch 16 0.96
   // -> 0.94; from L3 3-4% faster at 4 and 8. (The rest of the DRAM penalty,
-  // 0.3 ms, is not the pages: kernels/README.md.) Only up to one panel pair
+  // 0.3 ms, is not the pages: kernels/NOTES.md.) Only up to one panel pair
   // (32 x rows, W decoded once, its tiles' products short): with more panels
   // the spaced tiles measured slower (bf16 x, 512 rows, alternating rounds:
   // 4-32% from L3, 64 rows up to 10%; the rows' 4 KiB spacing puts a tile's
