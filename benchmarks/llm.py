@@ -108,7 +108,36 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
             for _ in range(2):
                 step()
             out[f"decode_b{batch}_tok_s"] = batch / _median_step(step, args.decode)
+    if kind in ("q4torch", "bnb") and args.qlora:
+        out["qlora_tok_s"] = _torch_qlora(model, kind, vocab, args)
     return out
+
+
+def _torch_qlora(model, kind: str, vocab: int, args) -> float:
+    """Tokens/s of one QLoRA step: peft LoRA r=16 on all seven projections, one
+    sequence of --qlora tokens, forward + backward + AdamW (the median of 3 steps)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=16, lora_alpha=16, target_modules=targets)
+    if kind == "q4torch":
+        import q4torch.peft
+
+        config = q4torch.peft.register(config)
+    model = get_peft_model(model, config)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, vocab, (1, args.qlora), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return args.qlora / _median_step(step, 3)
 
 
 def _jax_run(folder: Path, args) -> dict:
@@ -152,7 +181,40 @@ def _jax_run(folder: Path, args) -> dict:
 
         one()
         out[f"decode_b{batch}_tok_s"] = batch / _median_step(one, args.decode)
+    if args.qlora:
+        out["qlora_tok_s"] = _jax_qlora(model, vocab, args)
     return out
+
+
+def _jax_qlora(model, vocab: int, args) -> float:
+    """The same QLoRA step in Flax: q4jax.add_lora r=16 on every quantized projection,
+    optax AdamW on the adapters only, one --qlora-token sequence, jitted."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import q4jax
+
+    q4jax.add_lora(model, 16, targets=("*_proj",), param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.LoRAParam)
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, vocab, (1, args.qlora)), jnp.int32)
+
+    @nnx.jit
+    def train_step(model, opt, ids):
+        def loss_fn(model):
+            logits, _ = model(ids, model.init_cache(1, ids.shape[1]), jnp.int32(0))
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1].astype(jnp.float32), ids[:, 1:]
+            ).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        opt.update(model, grads)
+        return loss
+
+    train_step(model, opt, ids).block_until_ready()
+    return args.qlora / _median_step(lambda: jax.block_until_ready(train_step(model, opt, ids)), 3)
 
 
 def _llamacpp_run(kind: str, folder: Path, args) -> dict:
@@ -256,10 +318,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill figure (default 512)")
     ap.add_argument("--decode", type=int, default=24, help="decode steps timed (default 24)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--qlora", type=int, default=512, help="tokens of the QLoRA step's sequence (0: no QLoRA step)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.size == "tiny":
         args.prefill, args.prompt, args.decode = min(args.prefill, 64), min(args.prompt, 16), min(args.decode, 8)
+        args.qlora = min(args.qlora, 32)
     if args.child:
         folder = prepare(args.size)
         print("RESULT " + json.dumps(child(args.child, folder, args)), flush=True)
@@ -274,7 +338,8 @@ def main(argv=None) -> int:
     results = {}
     for name in args.contestants.split(","):
         cmd = [sys.executable, __file__, "--child", name, "--size", args.size, "--prompt", str(args.prompt),
-               "--prefill", str(args.prefill), "--decode", str(args.decode), "--threads", str(args.threads)]  # fmt: skip
+               "--prefill", str(args.prefill), "--decode", str(args.decode), "--threads", str(args.threads),
+               "--qlora", str(args.qlora)]  # fmt: skip
         print(f"-- {name} ...", flush=True)
         r = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
@@ -297,13 +362,13 @@ def main(argv=None) -> int:
         rows.append([
             name, r["load_s"], r["rss_mb"], r["anon_mb"], r["peak_mb"], r["held_bytes"] / 1e6, r["prefill_tok_s"], b1,
             1e3 / b1 if b1 else None,
-            r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None,
+            r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None, r.get("qlora_tok_s"),
         ])  # fmt: skip
     print_table(
         f"Llama 3 {args.size}, {args.threads} threads; prefill {args.prefill} tokens, decode after {args.prompt}",
         ["contestant", "load s", "RSS MB", "anon MB", "peak MB", "weights MB", "prefill tok/s", "decode b1 tok/s",
          "ms/token",
-         "decode b8 tok/s", "share of floor"],
+         "decode b8 tok/s", "share of floor", "QLoRA tok/s"],
         rows,
     )  # fmt: skip
     for what, n in floor_bytes.items():
