@@ -15,7 +15,15 @@ from flax import nnx
 from q4 import checkpoint as q4_checkpoint
 from q4jax._src.embedding import EMBEDDING_TYPES, Embedding4bit, Embedding8bit, StableEmbedding
 from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
-from q4jax._src.model import check_graph_root, classify, graph_edges, path_name, quantized_layer, set_child
+from q4jax._src.model import (
+    LayerSettings,
+    check_graph_root,
+    classify,
+    graph_edges,
+    path_name,
+    quantized_layer,
+    set_child,
+)
 from q4jax._src.projection import _Projection
 
 logger = logging.getLogger("q4jax")
@@ -153,15 +161,7 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
         if kind is None:
             continue  # already quantized: load_state_dict takes the checkpoint's format
         if id(child) not in replaced:
-            settings = dict(
-                quant_type=quant_type,
-                blocksize=blocksize,
-                compress_statistics=nested,
-                compute_dtype=None,
-                activation_quant=None,
-                threshold=0.0,
-            )
-            replaced[id(child)] = quantized_layer(child, kind, settings, name)
+            replaced[id(child)] = quantized_layer(child, kind, LayerSettings(quant_type, blocksize, nested), name)
         set_child(parent, key, replaced[id(child)])
     mine: set[str] = set()  # each layer's weight entries and bias (a StableEmbedding's norm)
     for prefix, layer in _layers(module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -228,14 +229,7 @@ def quantize_model(
     if isinstance(skip, str):
         skip = (skip,)
     report = QuantizeReport()
-    settings = dict(
-        quant_type=quant_type,
-        blocksize=blocksize,
-        compress_statistics=compress_statistics,
-        compute_dtype=compute_dtype,
-        activation_quant=activation_quant,
-        threshold=threshold,
-    )
+    settings = LayerSettings(quant_type, blocksize, compress_statistics, compute_dtype, activation_quant, threshold)
 
     def skipped(path) -> bool:
         return path_name(path) in skip or any(str(k) in skip for k in path)
@@ -327,10 +321,25 @@ def _is_q4(layer) -> bool:
     return isinstance(layer, (Linear4bit, Linear8bit, Embedding4bit, Embedding8bit, _Projection))
 
 
-def quantized_layer(child, kind: str, settings: dict, name: str, method: str = "absmax", hessian=None, damp=0.01):
+@dataclass(frozen=True)
+class LayerSettings:
+    """What a replacement layer is built with: quantize_model's arguments, or (load_quantized)
+    the checkpoint's format, which the loaded entries then fill."""
+
+    quant_type: str
+    blocksize: int = 64
+    compress_statistics: bool = True
+    compute_dtype: Any = None
+    activation_quant: str | None = None
+    threshold: float = 0.0
+
+
+def quantized_layer(
+    child, kind: str, settings: LayerSettings, name: str, method: str = "absmax", hessian=None, damp=0.01
+):
     """The quantized replacement of a float layer classified as ``kind`` (classify):
     each stacked slice (nnx.vmap) and each shared index quantized on its own."""
-    quant_type = settings["quant_type"]
+    quant_type = settings.quant_type
     lead = _stack_dims(child, kind)
     if kind == "embed":
         table = child.embedding.get_value()
@@ -341,8 +350,8 @@ def quantized_layer(child, kind: str, settings: dict, name: str, method: str = "
         new = Embedding4bit.from_embed(
             child,
             quant_type=quant_type,
-            blocksize=settings["blocksize"],
-            compress_statistics=settings["compress_statistics"],
+            blocksize=settings.blocksize,
+            compress_statistics=settings.compress_statistics,
         )
         return keep_subclass(child, new, nnx.Embed)
     if method == "gptq" and lead:
@@ -412,7 +421,7 @@ def keep_subclass(child, new, flax_cls: type):
 _SUFFIX = {"Linear4bit": "4bit", "Linear8bit": "8bit", "Embedding4bit": "4bit", "Embedding8bit": "8bit"}
 
 
-def _matrix_layer(w: np.ndarray, dtype, settings: dict, bias, method: str, hessian, damp: float):
+def _matrix_layer(w: np.ndarray, dtype, settings: LayerSettings, bias, method: str, hessian, damp: float):
     """A Linear4bit / Linear8bit holding W [out, in] (and ``bias``, or none)."""
     kernel = jnp.asarray(np.ascontiguousarray(w.T))
     args = dict(
@@ -423,16 +432,16 @@ def _matrix_layer(w: np.ndarray, dtype, settings: dict, bias, method: str, hessi
         bias_init=lambda *_: jnp.asarray(bias),
         rngs=nnx.Rngs(0),
     )
-    if settings["quant_type"] == "int8":
-        return Linear8bit(w.shape[1], w.shape[0], threshold=settings["threshold"], **args)
+    if settings.quant_type == "int8":
+        return Linear8bit(w.shape[1], w.shape[0], threshold=settings.threshold, **args)
     layer = Linear4bit(
         w.shape[1],
         w.shape[0],
-        quant_type=settings["quant_type"],
-        blocksize=settings["blocksize"],
-        compress_statistics=settings["compress_statistics"],
-        compute_dtype=settings["compute_dtype"],
-        activation_quant=settings["activation_quant"],
+        quant_type=settings.quant_type,
+        blocksize=settings.blocksize,
+        compress_statistics=settings.compress_statistics,
+        compute_dtype=settings.compute_dtype,
+        activation_quant=settings.activation_quant,
         **args,
     )
     if method != "absmax":
