@@ -22,10 +22,16 @@ import numpy as np
 CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
 LLAMA_CPP_VERSION = "0.3.36"
 FTYPES = {"f16": 1, "q4_0": 2, "q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
-# Built for this CPU without ggml's AMX backend: with it, llama.cpp 0.3.36 crashed (SIGSEGV in
-# llama_decode) on every batch of more than one token of a Q4_0 model on a Xeon with AMX
-# (2026-12-07); its AVX-512 VNNI kernels serve instead.
-CMAKE_ARGS = "-DGGML_NATIVE=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+# Built for x86-64 with AVX-512 (VNNI, BF16, VBMI) and without ggml's AMX backend: built
+# -march=native on a Xeon with AMX, llama.cpp 0.3.36 crashed (SIGSEGV in
+# ggml_backend_amx_mul_mat) on every batch of more than one token of a Q4_0 model
+# (2026-12-07); GGML_NATIVE=ON ignores the AMX switches, so the ISA is named explicitly.
+# Its repacked AVX-512 kernels (the "extra buffer types") serve instead.
+CMAKE_ARGS_AMX = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON "
+    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -141,12 +147,15 @@ def load_llama_cpp():
         return llama_cpp
     except ImportError:
         pass
-    wheels = CACHE / "wheels-noamx"
+    wheels = CACHE / "wheels"
     found = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
     if not found:
         print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from source into {wheels} (once; 10-25 minutes) ...",
               file=sys.stderr, flush=True)  # fmt: skip
-        env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", CMAKE_ARGS))
+        import q4
+
+        default = CMAKE_ARGS_AMX if q4.cpu_has_amx() else "-DGGML_NATIVE=ON"
+        env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", default))
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels),
                         f"llama-cpp-python=={LLAMA_CPP_VERSION}"], check=True, env=env)  # fmt: skip
         found = sorted(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_VERSION}-*.whl"))
