@@ -96,9 +96,8 @@ constexpr int kShift[8] = {4, 0, 12, 8, 20, 16, 28, 24};
 constexpr int kElem[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 
 // The dwords of v shifted right by S (permutexvar reads their low 4 bits).
-// Plain dword shifts: on the Zen 5 VM (2026-12-04) they ran beside the
-// permutes and FMAs, where the earlier vpmulhuw form of the in-word shifts
-// (by 2^(16-s)) took FMA-pipe slots: one thread, 4096^2, 0.345 -> 0.293 ms.
+// Plain dword shifts run beside the permutes and FMAs; a vpmulhuw form of the
+// in-word shifts (by 2^(16-s)) takes FMA-pipe slots (measured: kernels/NOTES.md).
 template <int S>
 inline __m512i nibbles(__m512i v) {
   return S == 0 ? v : _mm512_srli_epi32(v, S);
