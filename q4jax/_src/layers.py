@@ -296,25 +296,24 @@ class Linear4bit(_QuantLinear):
 
     def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
         """x [..., in_features] -> [..., out_features]; ``out_sharding`` as nnx.Linear's."""
+        packed, state = self.weight.get_value(), self.quant_state.get_value()
+        return out_sharded(self._matmul(x, packed, state, self.bias is not None, self.sharding), out_sharding)
+
+    def _matmul(self, x, packed, state: QuantState, with_bias: bool = False, sharding=None) -> jax.Array:
+        """x . dequantize(W)^T (+ the bias) for the weight (packed, state): the layer's
+        call, and (no bias, unsharded) that of one slice of a stacked layer
+        (q4jax/_src/projection.py, shared axes). Computed in ``compute_dtype`` (default:
+        ``dtype``, else x's), returned in ``dtype`` (default: x's)."""
         x_name = self._check_x(x)
         out = jnp.dtype(x_name) if self.dtype is None else self.dtype
         compute = out if self.compute_dtype is None else self.compute_dtype
         # the bias is cast on a copy: the parameter keeps its dtype
-        bias = None if self.bias is None else self.bias.get_value().astype(compute)
-        packed, state = self.weight.get_value(), self.quant_state.get_value()
-        if self.sharding is None:
+        bias = self.bias.get_value().astype(compute) if with_bias else None
+        if sharding is None:
             y = matmul_4bit(x.astype(compute), packed, state, bias, getattr(self, "activation_quant", None))
         else:
-            y = sharded_matmul_4bit(x.astype(compute), packed, state, self.sharding, bias)
-        return out_sharded(y.astype(out), out_sharding)
-
-    def _matmul(self, x: jax.Array, packed: jax.Array, state: QuantState) -> jax.Array:
-        """x . dequantize(W)^T for one (unsharded) weight, no bias: the call of a stacked
-        layer's slice (q4jax/_src/projection.py, shared axes)."""
-        x_name = self._check_x(x)
-        out = jnp.dtype(x_name) if self.dtype is None else self.dtype
-        compute = out if self.compute_dtype is None else self.compute_dtype
-        return matmul_4bit(x.astype(compute), packed, state, None, getattr(self, "activation_quant", None)).astype(out)
+            y = sharded_matmul_4bit(x.astype(compute), packed, state, sharding, bias)
+        return y.astype(out)
 
     # -- checkpoint entries (keys relative to the layer's prefix)
 
@@ -523,21 +522,18 @@ class Linear8bit(_QuantLinear):
 
     def __call__(self, x: jax.Array, out_sharding=None) -> jax.Array:
         """x [..., in_features] -> [..., out_features]; ``out_sharding`` as nnx.Linear's."""
-        x_name = self._check_x(x)
-        compute = jnp.dtype(x_name) if self.dtype is None else self.dtype
-        bias = None if self.bias is None else self.bias.get_value()
         cb, scb = self.weight.get_value(), self.SCB.get_value()
-        if self.sharding is None:
-            y = matmul_8bit(x.astype(compute), cb, scb, bias, self.threshold)
-        else:
-            y = sharded_matmul_8bit(x.astype(compute), cb, scb, self.sharding, bias, self.threshold)
-        return out_sharded(y, out_sharding)
+        return out_sharded(self._matmul(x, cb, scb, self.bias is not None, self.sharding), out_sharding)
 
-    def _matmul(self, x: jax.Array, cb: jax.Array, scb: jax.Array) -> jax.Array:
-        """x . (CB * SCB / 127)^T for one (unsharded) weight, no bias (a stacked slice)."""
+    def _matmul(self, x, cb, scb, with_bias: bool = False, sharding=None) -> jax.Array:
+        """x . (CB * SCB / 127)^T (+ the bias) in ``dtype`` (default: x's): the layer's
+        call, and (no bias, unsharded) that of one slice of a stacked layer."""
         x_name = self._check_x(x)
         compute = jnp.dtype(x_name) if self.dtype is None else self.dtype
-        return matmul_8bit(x.astype(compute), cb, scb, None, self.threshold)
+        bias = self.bias.get_value() if with_bias else None
+        if sharding is None:
+            return matmul_8bit(x.astype(compute), cb, scb, bias, self.threshold)
+        return sharded_matmul_8bit(x.astype(compute), cb, scb, sharding, bias, self.threshold)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
         cb, scb = self._canonical()
