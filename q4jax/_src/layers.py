@@ -330,7 +330,7 @@ class Linear4bit(_QuantLinear):
         k_w = prefix + "weight"
         quant_keys = [k for k in d if k.startswith(k_w + ".")]
         used.update(quant_keys)
-        bias_apply = _plan_bias(self, d, prefix, errs, used)
+        bias_apply = plan_bias(self, d, prefix, errs, used)
         if k_w not in d:
             errs.append(f"missing key '{k_w}'" + (" (its quantization entries are present)" if quant_keys else ""))
             return None
@@ -545,7 +545,7 @@ class Linear8bit(_QuantLinear):
         return out
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
-        bias_apply = _plan_bias(self, d, prefix, errs, used)
+        bias_apply = plan_bias(self, d, prefix, errs, used)
         found = check_int8_entries(d, prefix, (self.out_features, self.in_features), "the layer", errs, used)
         if found is None:
             return None
@@ -616,7 +616,7 @@ def check_int8_entries(
     return None
 
 
-def _plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
+def plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
     k_b = prefix + "bias"
     if layer.bias is None:
         return None
@@ -625,8 +625,9 @@ def _plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
         return None
     used.add(k_b)
     b = np.asarray(d[k_b])
-    if b.shape != (layer.out_features,) or b.dtype.kind != "f" and b.dtype.name != "bfloat16":
-        errs.append(f"'{k_b}' must be a float array of shape ({layer.out_features},), got {b.dtype} {b.shape}")
+    want = tuple(layer.bias.get_value().shape)  # (out_features,); a projection's bias keeps its own shape
+    if b.shape != want or b.dtype.kind != "f" and b.dtype.name != "bfloat16":
+        errs.append(f"'{k_b}' must be a float array of shape {want}, got {b.dtype} {b.shape}")
         return None
     new = _device_copy(b, layer.bias.get_value().dtype)  # the parameter keeps its dtype
     return lambda: layer.bias.set_value(new)
@@ -635,7 +636,7 @@ def _plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
 def plan_dense_load(layer: nnx.Linear, d: dict, prefix: str, errs: list[str], used: set[str]):
     """A dense nnx.Linear under the torch key convention: weight = kernel.T."""
     k_w = prefix + "weight"
-    bias_apply = _plan_bias(layer, d, prefix, errs, used)
+    bias_apply = plan_bias(layer, d, prefix, errs, used)
     if k_w not in d:
         errs.append(f"missing key '{k_w}'")
         return None

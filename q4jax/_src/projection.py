@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from q4jax._src.layers import Linear4bit, Linear8bit, WeightShape, out_sharded
+from q4jax._src.layers import Linear4bit, Linear8bit, WeightShape, out_sharded, plan_bias
 
 
 class Unsupported(ValueError):
@@ -160,7 +160,6 @@ class _Projection(nnx.Module):
 
     base: Any  # Linear4bit / Linear8bit, or an nnx.LoRA over one
     split: KernelSplit
-    n_shared: int
     kernel_shape: tuple[int, ...]
     param_dtype: Any
     bias: Any  # nnx.Param of the float layer's bias shape, or None
@@ -177,6 +176,12 @@ class _Projection(nnx.Module):
         y = y2.reshape(*(size[c] for c in sp.shared), *(size[c] for c in batch), *self._kept_sizes)
         cur = sp.shared + batch + sp.kept
         return jnp.transpose(y, tuple(cur.index(c) for c in ys))
+
+    @property
+    def n_shared(self) -> int:
+        """How many matrices the shared axes hold (1 without shared axes)."""
+        size = dict(zip(self.split.kernel, self.kernel_shape, strict=True))
+        return math.prod(size[c] for c in self.split.shared)
 
     @property
     def _kept_sizes(self) -> tuple[int, ...]:
@@ -236,20 +241,7 @@ class _Projection(nnx.Module):
             errs.append(f"'{prefix}': {type(self).__name__} with shared axes has no single-matrix entries")
             return None
         plan = self.quantized._plan_load(d, prefix, errs, used)
-        bias_apply = None
-        if self.bias is not None:
-            k_b = prefix + "bias"
-            used.add(k_b)
-            if k_b not in d:
-                errs.append(f"missing key '{k_b}'")
-                return None
-            b = np.asarray(d[k_b])
-            want = tuple(self.bias.get_value().shape)
-            if b.shape != want or not (b.dtype.kind == "f" or b.dtype.name == "bfloat16"):
-                errs.append(f"'{k_b}' must be a float array of shape {want}, got {b.dtype} {b.shape}")
-                return None
-            new = jnp.asarray(np.array(b, dtype=self.bias.get_value().dtype, copy=True))
-            bias_apply = lambda: self.bias.set_value(new)  # noqa: E731
+        bias_apply = plan_bias(self, d, prefix, errs, used)
         if plan is None:
             return None
 
@@ -282,7 +274,6 @@ class QuantizedEinsum(_Projection):
         self.dtype = einsum.dtype
         self.param_dtype = einsum.param_dtype
         self.split = split
-        self.n_shared = math.prod(dict(zip(split.kernel, self.kernel_shape, strict=True))[c] for c in split.shared)
         self.base = base
         self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
 
@@ -308,7 +299,6 @@ class QuantizedLinearGeneral(_Projection):
         self.param_dtype = lg.param_dtype
         self.kernel_shape = (*lg.batch_axis.values(), *lg.in_features, *lg.out_features)
         self.split = split
-        self.n_shared = math.prod(lg.batch_axis.values()) if lg.batch_axis else 1
         self.base = base
         self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
 
