@@ -63,10 +63,15 @@ sanitize: install
 fuzz: install
 	$(FUZZ)
 
+# pytest workers (pytest-xdist): one per core; a test file stays on one worker, so its
+# module fixtures are built once. PYTEST_JOBS=0 runs in one process.
+PYTEST_JOBS ?= auto
+PYTEST := $(BIN)/pytest -n $(PYTEST_JOBS) --dist loadfile
+
 test: lint bazel docs
-	$(STEP) "pytest: the whole suite" $(BIN)/pytest
+	$(STEP) "pytest: the whole suite ($(PYTEST_JOBS) workers)" $(PYTEST)
 	$(STEP) "pytest: kernel tests against the Bazel-built library ($(BAZEL_LIB))" \
-	  env Q4_LIBRARY=$(BAZEL_LIB) $(BIN)/pytest tests/kernels tests/q4_reference -q
+	  env Q4_LIBRARY=$(BAZEL_LIB) $(PYTEST) tests/kernels tests/q4_reference -q
 	$(SANITIZE)
 	$(FUZZ)
 
