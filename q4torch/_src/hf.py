@@ -37,7 +37,7 @@ from transformers.quantizers.quantizers_utils import get_module_from_name, shoul
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 import q4
-from q4._src import formats, quantizers
+from q4._src import formats, pages, quantizers
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch._src.replace import quantized_weight
 
@@ -204,6 +204,14 @@ class Q4Config(QuantizationConfigMixin):
         return f"Q4Config({self.settings})"
 
 
+def _release_float(value: torch.Tensor) -> None:
+    """The float weight's pages in the checkpoint's mapping, back to the system once it is
+    quantized (q4/_src/pages.py): transformers keeps the file mapped while the model holds
+    any float tensor of it, and every page read would stay resident."""
+    if value.device.type == "cpu" and value.is_contiguous():
+        pages.release(value.data_ptr(), value.numel() * value.element_size())
+
+
 def _layer_kind():
     from q4torch.nn import Linear4bit, Linear8bitLt
 
@@ -233,6 +241,7 @@ class Q4Quantize(ConversionOps):
                 module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage, method=s.method
             )
             module._is_hf_initialized = True
+            _release_float(value)
         return result
 
 
@@ -318,6 +327,7 @@ def _quantize_tied_head(model, name: str, s: Settings) -> None:
         s.method,
     )  # fmt: skip
     new.requires_grad_(False)
+    _release_float(head.weight.detach())  # the embedding's pages: a lookup reads back only its rows
     for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         cfg.tie_word_embeddings = False
     model.set_submodule(name, new)
