@@ -35,8 +35,9 @@ matches --skip or one of the default patterns ({skip}) are kept.
 IN may be a .safetensors file, a sharded checkpoint's *.index.json, or a
 directory holding either. OUT is a .safetensors file, or for sharded input a
 directory (or *.index.json path) that receives one shard per input shard and
-a new index (from a model directory to a directory, the model's other files
-such as config and tokenizer are copied too). Tensors are processed one at a time (a checkpoint larger than
+a new index (from a model directory to a directory, the model's other regular
+files such as config and tokenizer are copied too; a link out of the folder or
+a special file is refused, or left out with --skip-unsafe-files). Tensors are processed one at a time (a checkpoint larger than
 memory works); nothing is written under OUT's name until everything is done.
 
 examples:
@@ -145,8 +146,11 @@ def cmd_quantize(args) -> int:
         method=args.method,
         hessians=_calibration_hessians(args) if args.method == "gptq" and args.calibration else None,
         gptq_damp=args.damp,
+        skip_unsafe_files=args.skip_unsafe_files,
     )
     res = quantize_checkpoint(args.input, args.output, opts, progress=Progress("quantize", enabled=args.progress))
+    for warning in res.warnings:
+        print(f"q4: warning: {warning}", file=sys.stderr)
     if not res.layers:
         print("warning: no layer was quantized (every 2-D '*.weight' was skipped or none exists)", file=sys.stderr)
     fmt = (
@@ -203,8 +207,10 @@ def cmd_inspect(args) -> int:
     from q4._src.checkpoint import inspect_file
 
     rows, n_layers, q_bytes, dense_bytes, total, other, files = [], 0, 0, 0, 0, 0, _files_of(args.file)
+    every: dict[str, dict] = {}
     for path in files:
         info = inspect_file(path)
+        every.update(info["layers"])
         for name, meta in info["layers"].items():
             shape = meta["shape"]
             if meta["kind"] == "Linear4bit":
@@ -217,6 +223,8 @@ def cmd_inspect(args) -> int:
             dense_bytes += 4 * math.prod(shape)
         other += info["other_bytes"]
         total += info["file_bytes"]
+    if Path(args.file).is_dir():  # (a model folder; a file beside a float model's config is not checked)
+        _check_folder_config(Path(args.file) / "config.json", every)
     if rows:
         table(["layer", "shape", "type", "block", "nested", "bytes"], rows)
         print()
@@ -234,6 +242,21 @@ def cmd_inspect(args) -> int:
             f"quantized layers take {q_bytes / dense_bytes:.1%} of their fp32 size ({dense_bytes / q_bytes:.2f}x smaller)"
         )
     return 0
+
+
+def _check_folder_config(path: Path, layers: dict[str, dict]) -> None:
+    """A model folder's config.json must describe its quantized layers (checkpoint.check_model_config)."""
+    import json
+
+    from q4._src.checkpoint import check_model_config
+
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: cannot read the model's config ({e})") from e
+    check_model_config(config, layers, path)
 
 
 def cmd_parity(args) -> int:
@@ -372,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
         "q4torch.nn / q4jax.nn Embedding4bit or Embedding8bit through load_quantized; bitsandbytes has no "
         "quantized embeddings, so a model folder's config.json then names model_type q4_quantized_embeddings "
         "(transformers refuses it instead of misreading the table)",
+    )
+    q.add_argument(
+        "--skip-unsafe-files",
+        action="store_true",
+        help="model folder: leave out, with a warning, files that are symbolic links leading out of the folder or "
+        "not regular files (FIFOs, devices, sockets); without it they are refused (only regular files are copied)",
     )
     q.add_argument("-v", "--verbose", action="store_true", help="print one row per quantized layer")
     q.set_defaults(func=cmd_quantize)

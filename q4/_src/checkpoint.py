@@ -26,6 +26,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import struct
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ _JSON_KEY = ".weight." + JSON_KEY_PREFIX
 _HEADER_LIMIT = 100 << 20  # a header larger than 100 MiB is not a checkpoint
 _INT64_MAX = (1 << 63) - 1
 _MAX_RANK = 32  # numpy 1.x's limit (2.x: 64); no checkpoint tensor comes near it
+_ALIGN = 64  # the data section starts at a multiple of this (and so every tensor at one of its element size)
+_WIDE = (8, 4, 2)  # element sizes laid out first, widest first (safetensors' own order)
 # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING (only "row" is supported)
 WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 
@@ -249,9 +252,14 @@ class Reader:
     def __init__(self, path):
         self.path = Path(path)
         try:
-            self._file = open(self.path, "rb")  # noqa: SIM115 (closed by close())
+            # (O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
             raise CheckpointError(f"cannot read checkpoint {self.path}: {getattr(e, 'strerror', None) or e}") from e
+        self._file = os.fdopen(fd, "rb")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            self._file.close()
+            raise CheckpointError(f"cannot read checkpoint {self.path}: not a regular file")
         self._map = None
         try:
             self._parse()
@@ -572,14 +580,23 @@ def write_atomic(path, data: bytes) -> None:
 
 
 def copy_atomic(src, path) -> None:
-    """Copy the file ``src`` to ``path`` (contents, mode bits and times) through a temporary file."""
+    """Copy the regular file ``src`` to ``path`` (contents, mode bits and
+    times) through a temporary file. ``src`` is opened without following a
+    link in its last component and without blocking; anything but a regular
+    file (a FIFO, a device, a link swapped in meanwhile) raises CheckpointError
+    before a byte is read."""
     import shutil
 
-    def fill(f):
-        with open(src, "rb") as s:
-            shutil.copyfileobj(s, f, 1 << 20)
-
-    _through_temporary(path, fill, copy_stat_from=src)
+    real = os.path.realpath(src)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"cannot copy {src}: {e.strerror or e}") from e
+    with os.fdopen(fd, "rb") as s:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"cannot copy {src}: not a regular file")
+        _through_temporary(path, lambda f: shutil.copyfileobj(s, f, 1 << 20), copy_stat_from=real)
 
 
 def _unlink(tmp) -> None:
@@ -606,24 +623,43 @@ class Writer:
     """Writes a safetensors file tensor by tensor, atomically.
 
     ``header_bytes`` reserves room for the header before the data (an upper
-    bound: see header_bound); tensors are appended as they come, the header is
-    written last, padded with spaces, and the temporary file replaces ``path``
-    on commit(). Leaving the ``with`` block by an exception (or calling
-    abort()) removes the temporary file, so no partial output is ever left;
-    a process killed outright leaves it, and the next Writer (or write_atomic)
-    for the same path removes it. The published file gets the mode any new
-    file gets (0o666 & ~umask).
+    bound: see header_bound); ``wide_bytes`` gives, for each element size
+    above one byte (8, 4, 2), the total bytes of the tensors of that size that
+    will be added (exact). The data section is laid out as safetensors'
+    own writer does, widest elements first: every tensor of element size 8,
+    then 4, then 2, then the bytes (uint8, int8, bool) in the order they come.
+    The data section starts at a multiple of 64 bytes, so every tensor starts
+    at a multiple of its element size (a loader that maps the file, as
+    transformers does, hands the kernels aligned pointers); tensors are
+    written into their region as they come (no second pass), and a wide
+    region not filled exactly by finish() is an error. The header is written
+    last, padded with spaces, and the temporary file replaces ``path`` on
+    commit(). Leaving the ``with`` block by an exception (or calling abort())
+    removes the temporary file, so no partial output is ever left; a process
+    killed outright leaves it, and the next Writer (or write_atomic) for the
+    same path removes it. The published file gets the mode any new file gets
+    (0o666 & ~umask).
     """
 
-    def __init__(self, path, header_bytes: int):
+    def __init__(self, path, header_bytes: int, wide_bytes: dict[int, int] | None = None):
         self.path = Path(path)
-        self._reserved = 8 + header_bytes + (-header_bytes % 8)
+        self._reserved = 8 + header_bytes + (-(8 + header_bytes) % _ALIGN)
+        wide = dict(wide_bytes or {})
+        if set(wide) - set(_WIDE) or any(not isinstance(v, int) or v < 0 or v % k for k, v in wide.items()):
+            raise ValueError(f"wide_bytes must map element sizes {_WIDE} to byte totals they divide, got {wide}")
+        # region of each element size: [start, end) in the data section (bytes: from the end of the wide ones)
+        self._cursor: dict[int, int] = {}
+        self._end: dict[int, int] = {}
+        pos = 0
+        for k in _WIDE:
+            self._cursor[k] = pos
+            pos += wide.get(k, 0)
+            self._end[k] = pos
+        self._cursor[1] = pos
         self._tmp: Path | None = None
         fd, self._tmp = _create_temporary(self.path)
         self._file = os.fdopen(fd, "wb")
-        self._file.seek(self._reserved)
         self._header: dict = {}
-        self._offset = 0
 
     def add(self, key: str, value) -> None:
         arr = np.asarray(value)  # (np.ascontiguousarray would turn a 0-d array into 1-d)
@@ -637,20 +673,35 @@ class Writer:
             raise CheckpointError(f"tensor names must be non-empty strings, got {key!r}")
         if key in self._header:
             raise CheckpointError(f"tensor '{key}' written twice")
-        begin = self._offset
+        itemsize = _np_dtype(_DTYPES[dtype]).itemsize
+        want = math.prod(shape) * itemsize
+        begin = self._cursor[itemsize]
+        if itemsize > 1 and begin + want > self._end[itemsize]:
+            raise CheckpointError(
+                f"tensor '{key}' ({dtype}{list(shape)}): its {want} bytes pass the end of the {itemsize}-byte "
+                f"elements' region ({self._end[itemsize] - begin} bytes left of those planned in wide_bytes)"
+            )
+        self._file.seek(self._reserved + begin)
+        end = begin
         for piece in pieces:
             self._file.write(piece)
-            self._offset += memoryview(piece).nbytes
-        want = math.prod(shape) * _np_dtype(_DTYPES[dtype]).itemsize
-        if self._offset - begin != want:
-            raise CheckpointError(
-                f"tensor '{key}': {self._offset - begin} bytes written, {dtype}{list(shape)} needs {want}"
-            )
-        self._header[key] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [begin, self._offset]}
+            end += memoryview(piece).nbytes
+        if end - begin != want:
+            raise CheckpointError(f"tensor '{key}': {end - begin} bytes written, {dtype}{list(shape)} needs {want}")
+        self._cursor[itemsize] = end
+        self._header[key] = {"dtype": dtype, "shape": [int(s) for s in shape], "data_offsets": [begin, end]}
 
     def finish(self, metadata: dict[str, str] | None = None) -> None:
         """Write the header and flush; the file stays temporary until publish()."""
-        header = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}, **self._header}
+        for k in _WIDE:
+            if self._cursor[k] != self._end[k]:
+                raise CheckpointError(
+                    f"{self.path}: {self._end[k] - self._cursor[k]} bytes of {k}-byte tensors were planned "
+                    "(wide_bytes) but never written"
+                )
+        # tensors in data order (safetensors readers want the header's entries to cover the data exactly)
+        entries = sorted(self._header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        header = {"__metadata__": {str(k): str(v) for k, v in (metadata or {}).items()}, **dict(entries)}
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         if len(blob) > self._reserved - 8:
             raise CheckpointError(f"header of {len(blob)} bytes exceeds the {self._reserved - 8} bytes reserved")
@@ -665,7 +716,7 @@ class Writer:
     @property
     def size(self) -> int:
         """Bytes in the file (header + data)."""
-        return self._reserved + self._offset
+        return self._reserved + self._cursor[1]
 
     def publish(self) -> None:
         """Move the finished file to its destination."""
@@ -693,6 +744,15 @@ class Writer:
         self.abort()
 
 
+def wide_bytes(sizes) -> dict[int, int]:
+    """Writer's ``wide_bytes`` from (element size, bytes) pairs, one per tensor."""
+    out: dict[int, int] = {}
+    for itemsize, nbytes in sizes:
+        if itemsize > 1:
+            out[itemsize] = out.get(itemsize, 0) + nbytes
+    return out
+
+
 def header_bound(entries: dict[str, tuple[str, tuple[int, ...], int]], metadata: dict[str, str]) -> int:
     """An upper bound on the header size of a file holding ``entries``
     (name -> (safetensors dtype, shape, upper bound on bytes))."""
@@ -718,32 +778,36 @@ def save_file(tensors: dict[str, np.ndarray], path, metadata: dict[str, str] | N
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     meta["q4.layers"] = json.dumps(validate(arrays), sort_keys=True)
     bound = header_bound({k: (_dtype_name(a, k), a.shape, a.nbytes) for k, a in arrays.items()}, meta)
-    with Writer(path, bound) as w:
+    with Writer(path, bound, wide_bytes((a.dtype.itemsize, a.nbytes) for a in arrays.values())) as w:
         for key in sorted(arrays):
             w.add(key, arrays[key])
         w.commit(meta)
 
 
-def load_file(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
+def load_file(path, *, check_layers: bool = True, mapped: bool = False) -> dict[str, np.ndarray]:
     """Read a safetensors file into numpy arrays (copies), validating the
-    container and, with check_layers, every quantized layer."""
+    container and, with check_layers, every quantized layer. ``mapped=True`` returns
+    read-only memory-mapped views instead (Reader.view: nothing is read until used, and
+    a loader that copies each tensor once holds no second copy of the file; the file
+    must not be truncated while the views are in use)."""
     with Reader(path) as r:
-        tensors = {key: r.read(key) for key in r.keys()}
+        tensors = {key: (r.view(key) if mapped else r.read(key)) for key in r.keys()}
     if check_layers:
         validate(tensors)
     return tensors
 
 
-def load_checkpoint(path, *, check_layers: bool = True) -> dict[str, np.ndarray]:
+def load_checkpoint(path, *, check_layers: bool = True, mapped: bool = False) -> dict[str, np.ndarray]:
     """A checkpoint as numpy arrays, from a .safetensors file, a sharded
     checkpoint's ``*.index.json``, or a directory holding either (what ``q4
-    quantize`` writes): every shard read, a name in two shards refused."""
+    quantize`` writes): every shard read, a name in two shards refused. ``mapped``
+    as for load_file."""
     from q4._src.convert import input_files  # (convert imports this module)
 
     files, _ = input_files(Path(path))
     tensors: dict[str, np.ndarray] = {}
     for f in files:
-        for key, value in load_file(f, check_layers=False).items():
+        for key, value in load_file(f, check_layers=False, mapped=mapped).items():
             if key in tensors:
                 raise CheckpointError(f"{f}: tensor {short_repr(key)} is also in another shard")
             tensors[key] = value
@@ -797,6 +861,47 @@ def inspect_file(path) -> dict:
         other = sum(r.nbytes(k) for k in entries if k not in owned)
         r.check_size()
         return {"layers": out, "other_bytes": other, "file_bytes": r.size}
+
+
+def check_model_config(config, layers: dict[str, dict], where) -> None:
+    """Check a model folder's config.json (parsed) against the quantized
+    layers its checkpoint holds (``layers``: name -> description, as
+    validate() returns): a transformers config must carry a bitsandbytes
+    ``quantization_config`` that describes them (8-bit, or 4-bit of the same
+    quant type and nesting), or q4's own model type for quantized embeddings.
+    A config without one would have transformers load the int8 codes as float
+    weights. Raises CheckpointError naming the config and a layer."""
+    if not isinstance(config, dict) or "model_type" not in config or not layers:
+        return  # not a transformers config, or nothing quantized to describe
+    if config.get("model_type") == "q4_quantized_embeddings":
+        return  # q4's own folders (quantized embeddings): transformers refuses them by model type
+    name, meta = next(iter(sorted(layers.items())))
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        raise CheckpointError(
+            f"{where}: no quantization_config, but the checkpoint holds {len(layers)} quantized layers (e.g. "
+            f"{_quote(name)}, {meta['kind']}): transformers would load them as float weights; restore the config "
+            "that q4 quantize wrote (or quantize the float model again)"
+        )
+    for name, meta in sorted(layers.items()):
+        if meta["kind"] == "Linear8bitLt":
+            ok, want = qc.get("load_in_8bit") is True, "load_in_8bit: true"
+        else:
+            nested = qc.get("bnb_4bit_use_double_quant") is True
+            ok = (
+                qc.get("load_in_4bit") is True
+                and qc.get("bnb_4bit_quant_type") == meta["quant_type"]
+                and nested == meta["nested"]
+            )
+            want = (
+                f"load_in_4bit: true, bnb_4bit_quant_type: {meta['quant_type']!r}, "
+                f"bnb_4bit_use_double_quant: {str(meta['nested']).lower()}"
+            )
+        if not ok:
+            raise CheckpointError(
+                f"{where}: quantization_config {short_repr(qc)} does not describe layer {_quote(name)} "
+                f"({meta['kind']}): it needs {want}"
+            )
 
 
 def bitsandbytes_quantization_config(

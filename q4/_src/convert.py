@@ -20,21 +20,32 @@ next run that writes the same output. Published files get the mode a new file
 gets (0o666 & ~umask).
 
 What a reader sees while a sharded output is published: the old index (if
-any) is removed first, then each shard is renamed into place (each shard file
-is always either the complete old one or the complete new one), then the
-model's other files, and the new index is written last, atomically. So an
-index is never present beside a partial or mixed set of shards: a reader that
-goes through the index (transformers, ``q4``) sees either no checkpoint or
-the complete new one. A run killed during publication leaves shards without
-an index, which ``q4`` refuses as an incomplete checkpoint; rerun it.
+any) is removed first, then a model folder's rewritten config.json (its
+``quantization_config`` describes the new shards) is renamed into place, then
+each shard (each shard file is always either the complete old one or the
+complete new one), then the model's other files, and the new index is written
+last, atomically. So an index is never present beside a partial or mixed set
+of shards: a reader that goes through the index (transformers, ``q4``) sees
+either no checkpoint or the complete new one; and quantized shards are never
+beside a config that lacks their ``quantization_config`` (transformers would
+read int8 codes as float weights). SIGINT, SIGTERM and SIGHUP arriving during
+publication are held until it ends (then delivered: the command exits with
+their status, the output complete); only a run killed outright (SIGKILL, a
+power loss) during publication leaves shards without an index, which ``q4``
+refuses as an incomplete checkpoint; rerun it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import json
 import math
+import os
+import signal
+import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -43,14 +54,17 @@ import numpy as np
 
 from q4._src import formats
 from q4._src.checkpoint import (
+    _DTYPES,
     _NAMES,
     CheckpointError,
     Reader,
     Writer,
+    _np_dtype,
     bitsandbytes_quantization_config,
     copy_atomic,
     header_bound,
     validate,
+    wide_bytes,
     write_atomic,
 )
 from q4._src.formats import short_repr
@@ -80,6 +94,8 @@ class Options:
     # gptq: each layer's Hessian by name (the key without '.weight'); layers without one use 'mse'
     hessians: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
     gptq_damp: float = 0.01  # gptq: damping, a fraction of each Hessian's mean diagonal
+    # a model folder's links out of it / special files: left out with a warning (default: refused)
+    skip_unsafe_files: bool = False
 
     def check(self) -> Options:
         formats.check_layer_type(self.quant_type, "--type")
@@ -128,6 +144,7 @@ class Result:
     bytes_out: int
     outputs: list[Path]
     copied: list[Path] = dataclasses.field(default_factory=list)  # other files of a model directory
+    warnings: list[str] = dataclasses.field(default_factory=list)  # files of the model directory left out
 
 
 # ------------------------------------------------------------------ inputs
@@ -181,6 +198,7 @@ class _Shard:
     out: Path
     quantize: list[str]  # weight keys to quantize
     bound: int = 0
+    wide: dict[int, int] = dataclasses.field(default_factory=dict)  # Writer's wide_bytes (exact)
 
 
 def _plan_entries(reader: Reader, key: str, opts: Options) -> dict[str, tuple[str, tuple[int, ...], int]]:
@@ -206,7 +224,8 @@ def _plan_entries(reader: Reader, key: str, opts: Options) -> dict[str, tuple[st
     for name, arr in state.to_dict().items():
         size = {"absmax": nb * (1 if opts.nested else 4), "nested_absmax": 4 * n2}.get(name, arr.nbytes)
         shape_ = {"absmax": (nb,), "nested_absmax": (n2,)}.get(name, arr.shape)
-        entries[f"{prefix}weight.{name}"] = ("U8" if arr.dtype == np.uint8 else "F32", shape_, size)
+        dtype = "U8" if arr.dtype == np.uint8 or (name == "absmax" and opts.nested) else "F32"
+        entries[f"{prefix}weight.{name}"] = (dtype, shape_, size)
     return entries
 
 
@@ -262,6 +281,8 @@ def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Sha
                 "q4.layers": json.dumps(layer_meta, sort_keys=True) + " " * 256,
             }
             shard.bound = header_bound(entries, meta_bound) + 2
+            # (the bytes of every tensor wider than a byte are exact in the plan; only uint8 ones are bounds)
+            shard.wide = wide_bytes((_np_dtype(_DTYPES[d]).itemsize, n) for d, _, n in entries.values())
     except BaseException:
         for shard in shards:
             shard.reader.close()
@@ -319,6 +340,38 @@ def _rel_error(w: np.ndarray, approx: np.ndarray, rows: int = 1 << 16) -> float:
     return math.sqrt(num / den) if den > 0 else 0.0
 
 
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """SIGINT, SIGTERM and SIGHUP held while the block runs, then delivered
+    (each once, in arrival order) to the handlers that were there before: a
+    publication, once begun, is finished. Only in the main thread (the only
+    one that runs Python signal handlers); an ignored signal stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        if signum not in pending:
+            pending.append(signum)
+
+    previous = {}
+    try:
+        for sig in _DEFERRED:
+            handler = signal.getsignal(sig)
+            if handler is not signal.SIG_IGN and handler is not None:
+                previous[sig] = signal.signal(sig, hold)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in pending:
+            signal.raise_signal(sig)
+
+
 def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, str], None] | None = None) -> Result:
     """Quantize the checkpoint at ``src`` into ``dst`` (a ``.safetensors`` file,
     or a directory / ``*.index.json`` path for sharded output, one output shard
@@ -338,7 +391,9 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
         raise CheckpointError(f"{outs[0].parent}: no such directory")
     # with a directory in and a directory out, the model's other files come along
     src_dir = Path(src) if Path(src).is_dir() else index.parent if index is not None else None
-    extras = _extra_files(src_dir, files, index) if to_dir and src_dir is not None else []
+    extras, warnings = (
+        _extra_files(src_dir, files, index, opts.skip_unsafe_files) if to_dir and src_dir is not None else ([], [])
+    )
     shards, skipped = _plan(files, outs, opts)
     # a transformers config.json is rewritten (checked here, before any output)
     try:
@@ -362,7 +417,7 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
     try:
         for shard in shards:
             r = shard.reader
-            w = Writer(shard.out, shard.bound)
+            w = Writer(shard.out, shard.bound, shard.wide)
             writers.append(w)
             quantize, layer_meta = set(shard.quantize), {}
             for key in r.keys():
@@ -384,22 +439,23 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
             w.finish({"format": "pt", "q4.layers": json.dumps(layer_meta, sort_keys=True)})
         if progress:
             progress(total, total, "")
-        # Publication order (see the module docstring): old index out, shards
-        # and the model's other files in, the new index last.
-        if out_index is not None:
-            out_index.unlink(missing_ok=True)
-        for w in writers:
-            w.publish()
-        for rel in extras:  # (only with a source directory)
-            src_file = Path(cast(Path, src_dir), rel)
-            if (outs[0].parent / rel).resolve() != src_file.resolve():
-                (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
-                if rel in configs:
-                    write_atomic(outs[0].parent / rel, configs[rel])
-                else:
+        # Publication order (see the module docstring): old index out, the
+        # rewritten config.json in, shards and the model's other files in, the
+        # new index last; SIGINT / SIGTERM / SIGHUP wait until it is done.
+        with deferred_signals():
+            if out_index is not None:
+                out_index.unlink(missing_ok=True)
+            for rel, blob in configs.items():
+                write_atomic(outs[0].parent / rel, blob)
+            for w in writers:
+                w.publish()
+            for rel in extras:  # (only with a source directory)
+                src_file = Path(cast(Path, src_dir), rel)
+                if rel not in configs and (outs[0].parent / rel).resolve() != src_file.resolve():
+                    (outs[0].parent / rel).parent.mkdir(parents=True, exist_ok=True)
                     copy_atomic(src_file, outs[0].parent / rel)
-        if out_index is not None:
-            _write_index(out_index, weight_map, sum(w.size for w in writers))
+            if out_index is not None:
+                _write_index(out_index, weight_map, sum(w.size for w in writers))
     finally:
         for w in writers:
             w.abort()
@@ -413,6 +469,7 @@ def quantize_checkpoint(src, dst, opts: Options, progress: Callable[[int, int, s
         sum(o.stat().st_size for o in outs),
         outs + ([out_index] if out_index else []),
         [Path(e) for e in extras],
+        warnings,
     )
 
 
@@ -458,17 +515,67 @@ def model_config(path: Path, opts: Options, kept: list[str]) -> bytes | None:
     return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _extra_files(src_dir: Path, files: list[Path], index: Path | None) -> list[str]:
-    """The model directory's other files (config, tokenizer, ...), relative paths."""
+def _extra_files(
+    src_dir: Path, files: list[Path], index: Path | None, skip_unsafe: bool
+) -> tuple[list[str], list[str]]:
+    """The model directory's other files (config, tokenizer, ...) as relative
+    paths, and the warnings about files left out.
+
+    Only regular files are copied: a symbolic link whose target lies inside
+    the directory is copied as its target's contents; a link that leads out of
+    it (a file, or ``/proc/self/environ`` holding the environment's tokens,
+    would land in a folder the user may publish) or anything that is not a
+    regular file (a FIFO, a device, a socket: never opened) is refused with
+    CheckpointError, or with ``skip_unsafe`` left out with a warning."""
+    root = Path(os.path.realpath(src_dir))
     skip = {f.resolve() for f in files} | ({index.resolve()} if index is not None else set())
-    return sorted(
-        str(p.relative_to(src_dir))
-        for p in src_dir.rglob("*")
-        if p.is_file()
-        and p.resolve() not in skip
-        and p.suffix not in _WEIGHT_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(src_dir).parts)
-    )
+    out: list[str] = []
+    warnings: list[str] = []
+
+    def unsafe(rel: str, why: str) -> None:
+        if not skip_unsafe:
+            raise CheckpointError(
+                f"{src_dir}: '{rel}' {why}; q4 copies only the model folder's regular files (pass "
+                "--skip-unsafe-files to leave such files out, or replace a link by a copy of its target)"
+            )
+        warnings.append(f"left out '{rel}': it {why}")
+
+    for dirpath, dirnames, filenames in os.walk(src_dir, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        here = Path(dirpath)
+        # (os.walk lists a link to a directory among dirnames and does not enter it)
+        names = sorted(n for n in filenames if not n.startswith(".")) + [d for d in dirnames if (here / d).is_symlink()]
+        for name in names:
+            path = here / name
+            rel = str(path.relative_to(src_dir))
+            if path.suffix in _WEIGHT_SUFFIXES or path.resolve() in skip:
+                continue
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = Path(os.path.realpath(path))
+                if target != root and root not in target.parents:
+                    unsafe(rel, f"is a symbolic link to {target}, outside the model folder")
+                    continue
+                try:
+                    st = os.stat(target)
+                except OSError as e:
+                    unsafe(rel, f"is a symbolic link to {target}, which cannot be read ({e.strerror})")
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    continue  # a link to a folder inside: its files are copied where they are
+            if not stat.S_ISREG(st.st_mode):
+                unsafe(rel, f"is not a regular file ({_file_type(st.st_mode)})")
+                continue
+            out.append(rel)
+    return sorted(out), warnings
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):  # fmt: skip
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
 
 
 def _write_index(path: Path, weight_map: dict[str, str], total_size: int) -> None:
