@@ -218,6 +218,38 @@ Status validate(const Int8GradInputParams& p) {
   return check_ptr(p.grad_input, "grad_input");
 }
 
+Status validate(const Optim8bitParams& p) {
+  if (p.optimizer < 0 || p.optimizer > 3)
+    return Status::Invalid("optimizer must be 0 (adam), 1 (momentum), 2 (lion) or 3 (rmsprop), got " + S(p.optimizer));
+  Q4_RETURN_IF_ERROR(check_n(p.n));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.param_dtype, "parameter dtype"));
+  Q4_RETURN_IF_ERROR(check_float_dtype(p.grad_dtype, "gradient dtype"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.param, "parameter"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.grad, "gradient"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.state1, "state1"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.absmax1, "absmax1"));
+  Q4_RETURN_IF_ERROR(check_ptr(p.qmap1, "qmap1"));
+  Q4_RETURN_IF_ERROR(check_size("absmax", p.absmax_size, ceil_div(p.n, 256)));
+  if (p.optimizer == 0) {
+    Q4_RETURN_IF_ERROR(check_ptr(p.state2, "state2"));
+    Q4_RETURN_IF_ERROR(check_ptr(p.absmax2, "absmax2"));
+    Q4_RETURN_IF_ERROR(check_ptr(p.qmap2, "qmap2"));
+  }
+  if (p.step_ptr == nullptr && p.step < 1) return Status::Invalid("step must be >= 1, got " + S(p.step));
+  auto finite_nonneg = [](double v) { return v >= 0.0 && v <= 1.7976931348623157e308; };
+  if (!finite_nonneg(p.lr)) return Status::Invalid("lr must be finite and >= 0, got " + std::to_string(p.lr));
+  if (!finite_nonneg(p.eps)) return Status::Invalid("eps must be finite and >= 0, got " + std::to_string(p.eps));
+  if (!finite_nonneg(p.weight_decay))
+    return Status::Invalid("weight_decay must be finite and >= 0, got " + std::to_string(p.weight_decay));
+  if (!finite_nonneg(p.gnorm_scale))
+    return Status::Invalid("gnorm_scale must be finite and >= 0, got " + std::to_string(p.gnorm_scale));
+  if (!(p.beta1 >= 0.0 && p.beta1 < 1.0))
+    return Status::Invalid("beta1 must be in [0, 1), got " + std::to_string(p.beta1));
+  if (!(p.beta2 >= 0.0 && p.beta2 < 1.0))
+    return Status::Invalid("beta2 must be in [0, 1), got " + std::to_string(p.beta2));
+  return Status::Ok();
+}
+
 Status validate_code_book(const float* code) {
   if (code == nullptr) return Status::Ok();
   for (int i = 0; i + 1 < 256; ++i)

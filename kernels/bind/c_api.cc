@@ -9,6 +9,7 @@
 #include "q4/fp4.h"
 #include "q4/kernels.h"
 #include "q4/nf4.h"
+#include "q4/optim8.h"
 #include "q4/w4a8.h"
 
 using q4::capi::finish;
@@ -26,14 +27,18 @@ int32_t q4_has_cuda(void) {
 }
 
 int32_t q4_code_table(int32_t which, float* out, int64_t out_size) {
-  const int64_t want = which == 2 ? 256 : 16;
-  if (which < 0 || which > 2)
-    return finish(q4::Status::Invalid("table must be 0 (nf4), 1 (fp4) or 2 (dynamic8), got " + std::to_string(which)));
+  const int64_t want = which >= 2 ? 256 : 16;
+  if (which < 0 || which > 3)
+    return finish(q4::Status::Invalid("table must be 0 (nf4), 1 (fp4), 2 (dynamic8) or 3 (unsigned dynamic8), got " +
+                                      std::to_string(which)));
   if (out == nullptr || out_size != want)
     return finish(
         q4::Status::Invalid("table output needs " + std::to_string(want) + " floats, got " + std::to_string(out_size)));
   for (int64_t i = 0; i < want; ++i)
-    out[i] = which == 0 ? q4::nf4::value(int(i)) : which == 1 ? q4::fp4::value(int(i)) : q4::dynamic8::kValues.v[i];
+    out[i] = which == 0   ? q4::nf4::value(int(i))
+             : which == 1 ? q4::fp4::value(int(i))
+             : which == 2 ? q4::dynamic8::kValues.v[i]
+                          : q4::optim8::unsigned_value(int(i));
   return finish(q4::Status::Ok());
 }
 

@@ -18,7 +18,8 @@ Q4_API int32_t q4_abi_version(void);
 Q4_API int32_t q4_has_cuda(void);
 
 /* Format constants, read by the Python packages (single source of truth). */
-Q4_API int32_t q4_code_table(int32_t which, float* out, int64_t out_size); /* 0 nf4, 1 fp4, 2 dynamic8 */
+Q4_API int32_t q4_code_table(int32_t which, float* out,
+                             int64_t out_size); /* 0 nf4, 1 fp4, 2 dynamic8, 3 unsigned dynamic8 */
 Q4_API int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size);
 Q4_API int64_t q4_min_blocksize(void);
 Q4_API int64_t q4_max_blocksize(void);

@@ -214,5 +214,36 @@ inline Int8GradInputParams int8_grad_input(const void* grad_out, int32_t grad_ou
   return p;
 }
 
+inline Optim8bitParams optimizer_update_8bit(int32_t optimizer, void* param, int32_t param_dtype, const void* grad,
+                                             int32_t grad_dtype, int64_t n, uint8_t* state1, float* absmax1,
+                                             const float* qmap1, uint8_t* state2, float* absmax2, const float* qmap2,
+                                             int64_t absmax_size, int64_t step, double lr, double beta1, double beta2,
+                                             double eps, double weight_decay, double gnorm_scale,
+                                             int32_t* skipped_blocks) {
+  Optim8bitParams p;
+  p.optimizer = optimizer;
+  p.param = param;
+  p.param_dtype = static_cast<DType>(param_dtype);
+  p.grad = grad;
+  p.grad_dtype = static_cast<DType>(grad_dtype);
+  p.n = n;
+  p.state1 = state1;
+  p.absmax1 = absmax1;
+  p.qmap1 = qmap1;
+  p.state2 = state2;
+  p.absmax2 = absmax2;
+  p.qmap2 = qmap2;
+  p.absmax_size = absmax_size;
+  p.step = step;
+  p.lr = lr;
+  p.beta1 = beta1;
+  p.beta2 = beta2;
+  p.eps = eps;
+  p.weight_decay = weight_decay;
+  p.gnorm_scale = gnorm_scale;
+  p.skipped_blocks = skipped_blocks;
+  return p;
+}
+
 }  // namespace capi
 }  // namespace q4

@@ -119,6 +119,11 @@ using Int8GradFn = bool (*)(const Int8Grad& a);
 // (x86/amx/gemm4.cc). Runs before the int8_grad chain; false: not served.
 using Int8GradInputFn = bool (*)(const Int8GradInputParams& p);
 
+// Blockwise 8-bit optimizer step (contract in q4/kernels.h, Optim8bitParams):
+// the whole call, its own parallel_for; false: not served (dtype).
+struct Optim8Call;  // cpu/optim8_common.h
+using Optim8Fn = bool (*)(const Optim8Call& c);
+
 struct KernelTable {
   Chain<Gemm4Fn> gemm4;
   Chain<Grad4Fn> grad4;
@@ -127,6 +132,7 @@ struct KernelTable {
   Chain<Int8GradInputFn> int8_grad_input;
   Chain<Int8DotsFn> int8_dots;
   Chain<Int8GemmFn> int8_gemm;
+  Chain<Optim8Fn> optim8;
 };
 
 // The table of the active level.
@@ -139,7 +145,7 @@ const KernelTable& kernel_table();
 bool vbmi_scale_decode();
 
 // Ops whose last-run kernel is recorded (for tests and benchmarks).
-enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kW4A8 = 3, kInt8Grad = 4, kCount = 5 };
+enum class Op : int { kGemm4 = 0, kGrad4 = 1, kInt8Linear = 2, kW4A8 = 3, kInt8Grad = 4, kOptim8 = 5, kCount = 6 };
 void record_kernel(Op op, const char* name);
 const char* last_kernel(Op op);
 
@@ -156,6 +162,7 @@ namespace scalar {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);  // cpu/w4a8.cc
+bool optim8(const Optim8Call& c);                                 // cpu/optim8.cc
 }  // namespace scalar
 namespace avx2 {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
@@ -167,6 +174,8 @@ bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);        // m ==
 bool gemm4_tiled(const Gemm4bitParams& p, const gemm4::Scales& scales);  // x86/avx512/gemm4_tiled.cc
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 bool int8_grad(const Int8Grad& a);  // x86/avx512/int8_grad.cc
+// fp32 / bf16 parameters and gradients (x86/avx512/optim8.cc); false otherwise
+bool optim8(const Optim8Call& c);
 }  // namespace avx512
 namespace avx512_bf16 {
 // bf16 inputs: W decoded to bf16 (fp32 value rounded once), vdpbf16ps with

@@ -123,6 +123,7 @@ cpu::KernelTable build_table(Isa isa) {
     t.gemm4.add("avx512.gemm4", cpu::avx512::gemm4);
     t.grad4.add("avx512.grad4", cpu::avx512::grad4);
     t.int8_grad.add("avx512.int8_grad", cpu::avx512::int8_grad);
+    t.optim8.add("avx512.optim8", cpu::avx512::optim8);
   }
   if (isa >= kIsaAvx2) {
     t.gemm4.add("avx2.gemm4", cpu::avx2::gemm4);
@@ -132,6 +133,7 @@ cpu::KernelTable build_table(Isa isa) {
   t.gemm4.add("scalar.gemm4", cpu::scalar::gemm4);
   t.grad4.add("scalar.grad4", cpu::scalar::grad4);
   t.w4a8.add("scalar.w4a8", cpu::scalar::w4a8);
+  t.optim8.add("scalar.optim8", cpu::scalar::optim8);
   return t;
 }
 
@@ -248,11 +250,15 @@ std::string cpu_features_json() {
   if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_grad";
   names[count++] = "scalar.int8_grad";
   json_chain(s, "int8_grad_input", names, count);
+  s += ", ";
+  for (int i = 0; i < t.optim8.size; ++i) names[i] = t.optim8.entries[i].name;
+  json_chain(s, "optimizer_update_8bit", names, t.optim8.size);
   s += "}, \"last_kernel\": {\"gemm_4bit\": \"" + std::string(cpu::last_kernel(cpu::Op::kGemm4)) +
        "\", \"gemm_4bit_grad_input\": \"" + std::string(cpu::last_kernel(cpu::Op::kGrad4)) + "\", \"int8_linear\": \"" +
        std::string(cpu::last_kernel(cpu::Op::kInt8Linear)) + "\", \"gemm_4bit_w4a8\": \"" +
        std::string(cpu::last_kernel(cpu::Op::kW4A8)) + "\", \"int8_grad_input\": \"" +
-       std::string(cpu::last_kernel(cpu::Op::kInt8Grad)) + "\"}}";
+       std::string(cpu::last_kernel(cpu::Op::kInt8Grad)) + "\", \"optimizer_update_8bit\": \"" +
+       std::string(cpu::last_kernel(cpu::Op::kOptim8)) + "\"}}";
   return s;
 }
 

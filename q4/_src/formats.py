@@ -22,12 +22,13 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 @functools.cache
 def code_table(which: str) -> np.ndarray:
-    """The code book 'nf4' or 'fp4' (16 fp32 values indexed by nibble) or
-    'dynamic' (the 256-entry signed 8-bit dynamic map), as a read-only array."""
-    index = {"nf4": 0, "fp4": 1, "dynamic": 2}
+    """The code book 'nf4' or 'fp4' (16 fp32 values indexed by nibble),
+    'dynamic' (the 256-entry signed 8-bit dynamic map) or 'udynamic' (the
+    unsigned one, of the 8-bit optimizers' second state), as a read-only array."""
+    index = {"nf4": 0, "fp4": 1, "dynamic": 2, "udynamic": 3}
     if which not in index:
         raise ValueError(f"code table must be one of {sorted(index)}, got {which!r}")
-    out = np.empty(256 if which == "dynamic" else 16, np.float32)
+    out = np.empty(256 if which in ("dynamic", "udynamic") else 16, np.float32)
     native.check(native.lib().q4_code_table(index[which], out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size))
     out.setflags(write=False)
     return out

@@ -73,7 +73,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 }
 
 # C parameter types of the op list -> ctypes (every pointer is passed as an address)
-_C_TYPES = {"int32_t": c_int32, "int64_t": c_int64, "float": c_float}
+_C_TYPES = {"int32_t": c_int32, "int64_t": c_int64, "float": c_float, "double": ctypes.c_double}
 
 
 def parse_ops(text: str) -> dict[str, list[Any]]:

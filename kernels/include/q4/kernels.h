@@ -199,6 +199,40 @@ struct Int8GradInputParams {
   DType grad_input_dtype = kF32;
 };
 
+// One step of a blockwise 8-bit optimizer (q4/optim8.h: the state layout, the
+// per-element arithmetic and its rounding), fused: per block of 256 elements
+// the states are decoded, the parameter and states updated in fp32, the
+// parameter written back in its dtype (rounded to nearest even) and the states
+// re-quantized (new absmax, 8-bit codes through the map's bin table), in one
+// pass. State bytes and parameter bits are those of the reference's CPU step
+// (bitsandbytes 0.50.2) wherever its square root is correctly rounded, and do
+// not depend on the ISA level or thread count.
+// A block whose gradient holds a NaN or infinity is left unchanged (parameter,
+// codes and absmax) and counted in *skipped_blocks: a non-finite gradient never
+// reaches the state.
+struct Optim8bitParams {
+  int32_t optimizer = 0;  // optim8::Kind: 0 adam, 1 momentum, 2 lion, 3 rmsprop
+  void* param = nullptr;  // [n] fp32 / fp16 / bf16, updated in place
+  DType param_dtype = kF32;
+  const void* grad = nullptr;  // [n] fp32 / fp16 / bf16
+  DType grad_dtype = kF32;
+  int64_t n = 0;
+  uint8_t* state1 = nullptr;     // [n] codes in qmap1
+  float* absmax1 = nullptr;      // [absmax_size]
+  const float* qmap1 = nullptr;  // [256] sorted ascending (host memory for the CPU)
+  uint8_t* state2 = nullptr;     // [n], adam only (else null)
+  float* absmax2 = nullptr;      // [absmax_size], adam only
+  const float* qmap2 = nullptr;  // [256], adam only
+  int64_t absmax_size = 0;       // == ceil(n / 256)
+  int64_t step = 1;              // 1 for the first step
+  double lr = 0.0, beta1 = 0.0, beta2 = 0.0, eps = 0.0, weight_decay = 0.0, gnorm_scale = 1.0;
+  // Optional, in the kernel's memory (XLA passes them as buffers): when set,
+  // *step_ptr replaces step and lr is multiplied by *lr_scale_ptr (in fp64).
+  const int32_t* step_ptr = nullptr;
+  const float* lr_scale_ptr = nullptr;
+  int32_t* skipped_blocks = nullptr;  // [1] or null; set to the count (CUDA: device memory)
+};
+
 namespace cpu {
 Status gemm_4bit(const Gemm4bitParams& p);
 Status gemm_4bit_w4a8(const Gemm4bitParams& p);  // contract in q4/w4a8.h
@@ -221,6 +255,7 @@ Status dequantize_4bit(const Dequantize4bitParams& p);
 Status quantize_blockwise(const QuantizeBlockwiseParams& p);
 Status dequantize_blockwise(const DequantizeBlockwiseParams& p);
 Status quantize_nested(const QuantizeNestedParams& p);
+Status optimizer_update_8bit(const Optim8bitParams& p);
 }  // namespace cpu
 
 #if defined(Q4_WITH_CUDA)
@@ -241,6 +276,7 @@ Status gemm_4bit_grad_input(const Gemm4bitGradInputParams& p, void* stream);
 Status int8_quantize_rows(const Int8QuantizeRowsParams& p, void* stream);
 Status int8_linear(const Int8LinearParams& p, void* stream);
 Status int8_grad_input(const Int8GradInputParams& p, void* stream);
+Status optimizer_update_8bit(const Optim8bitParams& p, void* stream);
 }  // namespace cuda
 #endif
 
@@ -257,6 +293,9 @@ Status validate(const Dequantize4bitParams& p);
 Status validate(const QuantizeBlockwiseParams& p);
 Status validate(const DequantizeBlockwiseParams& p);
 Status validate(const QuantizeNestedParams& p);
+// Host-side values only (sizes, pointers, hyperparameters); the CPU op also
+// checks that the maps are sorted.
+Status validate(const Optim8bitParams& p);
 // A host-memory code book must be sorted ascending (null = dynamic map).
 Status validate_code_book(const float* code);
 
