@@ -16,6 +16,7 @@ from q4._src.checkpoint import (
     save_file,
     validate,
 )
+from q4._src.pages import release_pages
 
 __all__ = [
     "CheckpointError",
@@ -29,6 +30,7 @@ __all__ = [
     "load_metadata",
     "parse_weight_format",
     "quantized_groups",
+    "release_pages",
     "remove_stale_temporaries",
     "save_file",
     "validate",

@@ -163,11 +163,11 @@ def load(folder, dtype=jnp.float32) -> LlamaForCausalLM:
     # built abstract (shapes only): the folder's tensors are the only weights ever held
     model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype))
     model.inv_freq.set_value(jnp.asarray(rope_frequencies(cfg)))
-    tensors = q4.checkpoint.load_checkpoint(folder)
+    # memory-mapped views: each tensor is copied once, into its jax array
+    tensors = q4.checkpoint.load_checkpoint(folder, mapped=True)
     quantized = q4.checkpoint.quantized_groups(tensors)
     rest = q4jax.load_quantized(model, tensors) if quantized else dict(tensors)
     for name, value in rest.items():
-        value = np.asarray(value)
         *path, leaf = name.split(".")
         node = model
         for p in path:
@@ -180,6 +180,8 @@ def load(folder, dtype=jnp.float32) -> LlamaForCausalLM:
             node.weight.set_value(jnp.asarray(value, node.weight.get_value().dtype))
         elif name != "lm_head.weight" or not model.tied:
             raise ValueError(f"{folder}: tensor {name!r} maps to no parameter of the Flax decoder")
+        jax.block_until_ready(nnx.state(node))  # the copy is made asynchronously
+        q4.checkpoint.release_pages(value)  # copied: the file's pages back to the system
     unset = [jax.tree_util.keystr(p) for p, v in jax.tree.leaves_with_path(nnx.state(model))
              if isinstance(v, jax.ShapeDtypeStruct)]  # fmt: skip
     if unset:

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["release"]
+__all__ = ["release", "release_pages", "trim"]
 
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
@@ -96,3 +96,34 @@ def release(address: int, nbytes: int) -> int:
     if _MADVISE(lo, hi - lo, _MADV_DONTNEED) != 0:
         return 0
     return hi - lo
+
+
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def trim() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``): a load's
+    transient copies, freed, otherwise stay resident in the heap for the process's life."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def release_pages(array: np.ndarray) -> int:
+    """``release`` for a numpy array (a view of ``load_checkpoint(..., mapped=True)`` once
+    its data is copied): its file's pages go back to the system; the values it shows do not
+    change (they are read again from the file if used). Returns the bytes released."""
+    if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+        return 0
+    return release(array.ctypes.data, array.nbytes)

@@ -9,10 +9,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 from q4 import checkpoint as q4_checkpoint
+from q4._src import pages
 from q4jax._src.embedding import EMBEDDING_TYPES, Embedding4bit, Embedding8bit, StableEmbedding
 from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
 from q4jax._src.model import (
@@ -132,11 +134,13 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
     the model (dense linears included) is loaded from its entries, all
     validated before anything changes (see load_state_dict). A quantized layer
     the model has as neither is a ValueError naming it. Returns the entries
-    no layer used (float embeddings, norms: names a model maps itself).
+    no layer used (float embeddings, norms: names a model maps itself); from a path, as
+    read-only memory-mapped views of the files.
     """
     check_graph_root(module, "load_quantized")
     if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = q4_checkpoint.load_checkpoint(checkpoint)
+        # views of the files: each tensor is copied once, into its jax array
+        checkpoint = q4_checkpoint.load_checkpoint(checkpoint, mapped=True)
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"checkpoint must be a path or a dict of arrays, got {type(checkpoint).__name__}")
     groups = q4_checkpoint.quantized_groups(checkpoint)
@@ -169,4 +173,8 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
         extra = ("norm.weight", "norm.bias") if isinstance(layer, StableEmbedding) else ("bias",)
         mine.update(prefix + k for k in extra if prefix + k in checkpoint)
     load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
+    jax.block_until_ready(nnx.state(module))  # the copies are made asynchronously
+    for k in mine:  # a mapped file's pages, copied now, back to the system (q4/_src/pages.py)
+        pages.release_pages(checkpoint[k])
+    pages.trim()
     return {k: v for k, v in checkpoint.items() if k not in mine}

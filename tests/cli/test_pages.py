@@ -75,3 +75,19 @@ def test_partial_pages_stay(weights_file):
     # a range that covers no whole page releases nothing; its edges' pages are a neighbour's
     assert pages.release(m.ctypes.data + 1, mmap.PAGESIZE) == 0
     assert pages.release(m.ctypes.data + 1, 3 * mmap.PAGESIZE) == mmap.PAGESIZE * 2
+
+
+def test_mapped_checkpoint_equals_read(tmp_path):
+    import q4
+
+    rng = np.random.default_rng(1)
+    tensors = {"a": rng.standard_normal((64, 96)).astype(np.float32), "b": rng.integers(0, 255, 1000, dtype=np.uint8)}
+    q4.checkpoint.save_file(tensors, tmp_path / "m.safetensors")
+    read = q4.checkpoint.load_checkpoint(tmp_path)
+    mapped = q4.checkpoint.load_checkpoint(tmp_path, mapped=True)
+    assert sorted(mapped) == sorted(read)
+    for k in read:
+        assert not mapped[k].flags.writeable
+        np.testing.assert_array_equal(mapped[k], read[k])
+        q4.checkpoint.release_pages(mapped[k])
+        np.testing.assert_array_equal(mapped[k], read[k])  # read again from the file
