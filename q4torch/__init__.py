@@ -1,6 +1,6 @@
 """q4torch: the PyTorch front end of q4 (bitsandbytes-compatible names)."""
 
-from q4torch import functional, nn
+from q4torch import functional, nn, optim
 from q4torch._src.matmul_lt import MatmulLtState, matmul
 from q4torch._src.replace import load_quantized, quantize_model, replace_linear
 from q4torch.functional import QuantState, matmul_4bit
@@ -29,6 +29,7 @@ __all__ = [
     "matmul",
     "matmul_4bit",
     "nn",
+    "optim",
     "quantize_model",
     "replace_linear",
 ]

@@ -434,9 +434,9 @@ class Embedding8bit(nn.Embedding):
 class StableEmbedding(nn.Embedding):
     """bitsandbytes.nn.StableEmbedding: an nn.Embedding initialised with
     Xavier uniform (padding row zeroed) whose lookups go through a LayerNorm
-    computed in the default dtype, returned in the table's dtype. (bitsandbytes
-    also registers the weight for 32-bit optimizer state with its optimizer
-    manager; q4 has no optimizers, so there is nothing to register.)
+    computed in the default dtype, returned in the table's dtype. As in
+    bitsandbytes, the weight is registered with the optimizer manager
+    (q4torch.optim.GlobalOptimManager) for 32-bit optimizer state.
 
     ``device`` and ``dtype`` are passed to nn.Embedding by keyword: bitsandbytes
     passes them by position, after ``_weight``, where nn.Embedding takes
@@ -470,6 +470,9 @@ class StableEmbedding(nn.Embedding):
             dtype=dtype,
         )
         self.norm = nn.LayerNorm(embedding_dim, device=device)
+        from q4torch._src.optim import GlobalOptimManager
+
+        GlobalOptimManager.get_instance().register_module_override(self, "weight", {"optim_bits": 32})
 
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.weight)

@@ -1,0 +1,63 @@
+"""q4torch.optim: bitsandbytes' 8-bit (and 32-bit) optimizers on q4's fused kernels.
+
+Same class names, arguments, defaults and state_dict format as bitsandbytes.optim
+(0.50.2); see docs/guides/optimizers.md.
+"""
+
+from q4torch._src.optim import (
+    SGD,
+    Adam,
+    Adam8bit,
+    Adam32bit,
+    AdamW,
+    AdamW8bit,
+    AdamW32bit,
+    GlobalOptimManager,
+    Lion,
+    Lion8bit,
+    Lion32bit,
+    Optimizer8bit,
+    PagedAdam,
+    PagedAdam8bit,
+    PagedAdam32bit,
+    PagedAdamW,
+    PagedAdamW8bit,
+    PagedAdamW32bit,
+    PagedLion,
+    PagedLion8bit,
+    PagedLion32bit,
+    RMSprop,
+    RMSprop8bit,
+    RMSprop32bit,
+    SGD8bit,
+    SGD32bit,
+)
+
+__all__ = [
+    "SGD",
+    "Adam",
+    "Adam8bit",
+    "Adam32bit",
+    "AdamW",
+    "AdamW8bit",
+    "AdamW32bit",
+    "GlobalOptimManager",
+    "Lion",
+    "Lion8bit",
+    "Lion32bit",
+    "Optimizer8bit",
+    "PagedAdam",
+    "PagedAdam8bit",
+    "PagedAdam32bit",
+    "PagedAdamW",
+    "PagedAdamW8bit",
+    "PagedAdamW32bit",
+    "PagedLion",
+    "PagedLion8bit",
+    "PagedLion32bit",
+    "RMSprop",
+    "RMSprop8bit",
+    "RMSprop32bit",
+    "SGD8bit",
+    "SGD32bit",
+]
