@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import q4
-from q4._src import formats
+from q4._src import formats, quantizers
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4._src.quant_state import QuantState as _NpQuantState
 from q4torch._src import ops
@@ -434,6 +434,43 @@ def check_quant_state(quant_state, packed: torch.Tensor | None = None, what: str
     return qs
 
 
+# dtypes the packed 4-bit bytes may be viewed as (bitsandbytes' quant_storage): every copy keeps the
+# bytes. Not bool: a copy of a bool tensor turns every non-zero byte into 1, so other codes.
+QUANT_STORAGE_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                        torch.bfloat16, torch.float32, torch.float64)  # fmt: skip
+
+
+def check_quant_storage(dtype, what: str = "quant_storage") -> torch.dtype:
+    """``dtype`` if the packed 4-bit bytes may be stored as it, else ValueError naming ``what``."""
+    if not isinstance(dtype, torch.dtype) or dtype not in QUANT_STORAGE_DTYPES:
+        why = " (a copy of a bool tensor turns every non-zero byte into 1)" if dtype is torch.bool else ""
+        raise ValueError(f"{what} must be one of {', '.join(str(d) for d in QUANT_STORAGE_DTYPES)}, got {dtype!r}{why}")
+    return dtype
+
+
+def _check_devices(**named) -> None:
+    """No tensor on the meta device (no data: a kernel would read leftover
+    memory) unless every one is (shape propagation)."""
+    tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+    meta = sorted(k for k, v in tensors.items() if v.is_meta)
+    if meta and len(meta) < len(tensors):
+        raise ValueError(
+            f"{', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta device (no data) while "
+            f"{', '.join(sorted(set(tensors) - set(meta)))} {'is' if len(tensors) - len(meta) == 1 else 'are'} "
+            "not: load or materialise the quantized weight (e.g. load_state_dict(..., assign=True), or "
+            "to_empty() and a checkpoint) before computing with it"
+        )
+
+
+def _state_tensors(qs: QuantState) -> dict[str, Any]:
+    nested = qs.nested and isinstance(qs.state2, QuantState)
+    return {
+        "quant_state.absmax": qs.absmax,
+        "quant_state.state2.absmax": qs.state2.absmax if nested else None,
+        "quant_state.offset": qs.offset if nested else None,
+    }
+
+
 def _resolve_blocksize(blocksize, default):
     return formats.check_blocksize(default if blocksize is None else blocksize)
 
@@ -452,10 +489,14 @@ def quantize_4bit(
 
     Returns (packed [ceil(n/2), 1] of quant_storage, QuantState). With
     compress_statistics the absmax is itself quantized (nested, block 256).
-    NaN in a block makes its absmax NaN and every nibble 15; see the README.
+    NaN in a block makes its absmax NaN and every nibble 15 (see the README);
+    with compress_statistics a NaN or Inf is refused (ValueError naming the
+    blocks: it would turn every block into NaN), and scales whose float32
+    mean overflows get a float64 mean as the nested offset.
     """
     _check_tensors(A=A, absmax=absmax, out=out)
     bs = _resolve_blocksize(blocksize, 64)
+    check_quant_storage(quant_storage)
     packed, _absmax = ops.quantize_4bit(A, bs, quant_type)
     if quant_storage != torch.uint8:
         if packed.numel() * 1 % quant_storage.itemsize:
@@ -466,6 +507,12 @@ def quantize_4bit(
     code = get_4bit_type(quant_type, A.device)
     if compress_statistics:
         codes, absmax2, offset = ops.quantize_nested(_absmax)
+        if not bool(torch.isfinite(offset)):
+            # a NaN / Inf in A (refused, naming the blocks), or finite scales whose fp32 mean overflows
+            c, a2, off = quantizers.nested_fallback(_absmax.detach().cpu().numpy(), bs)
+            codes = torch.from_numpy(c).to(A.device).reshape(codes.shape)
+            absmax2 = torch.from_numpy(a2).to(A.device)
+            offset = torch.tensor(float(off), dtype=torch.float32, device=A.device)
         state2 = QuantState(
             absmax=absmax2, code=create_dynamic_map(A.device), blocksize=formats.nested_blocksize(), dtype=torch.float32
         )
@@ -518,6 +565,8 @@ def dequantize_4bit(
         )
     _check_tensors(A=A, out=out)
     check_quant_state(quant_state, A)
+    check_quant_storage(A.dtype, "the packed weight's dtype")
+    _check_devices(A=A, **_state_tensors(quant_state))
     packed = A if A.dtype == torch.uint8 else A.view(torch.uint8)
     absmax = _state_absmax(quant_state)
     if (
@@ -712,6 +761,10 @@ def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None, records: bool = False
     return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
 
 
+def _cpu_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_cpu
+
+
 def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tensor | None:
     """matmul_4bit(A, B, quant_state, bias=bias, activation_quant=...) by a
     direct call of the CPU kernel, or None where the q4::gemm_4bit op (or the
@@ -727,11 +780,14 @@ def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tenso
         return None
     shape = quant_state.shape
     # (a mismatch: an error, or the [K, N] orientation, in the general path)
-    if shape is None or len(shape) != 2 or A.numel() == 0 or A.shape[-1] != shape[-1]:
+    if shape is None or len(shape) != 2 or A.dim() == 0 or A.numel() == 0 or A.shape[-1] != shape[-1]:
         return None
     # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
     with torch._C.DisableTorchFunctionSubclass():
-        if not isinstance(B, torch.Tensor) or not B.is_cpu or not B.is_contiguous():
+        absmax = quant_state.absmax  # (a non-tensor or meta absmax: the general path's checks name it)
+        if not isinstance(B, torch.Tensor) or not B.is_cpu or not B.is_contiguous() or not _cpu_tensor(absmax):
+            return None
+        if B.dtype is torch.bool or (quant_state.nested and not _cpu_tensor(quant_state.state2.absmax)):
             return None
         n, k, scales = _prepared_args(quant_state, B)
         bs, qt = int(quant_state.blocksize), quant_state.quant_type
@@ -776,6 +832,13 @@ def matmul_4bit(
             return y
     _check_tensors(A=A, B=B, out=out, bias=bias)
     check_quant_state(quant_state, B)
+    check_quant_storage(B.dtype, "the packed weight B's dtype")
+    _check_devices(A=A, B=B, bias=bias, **_state_tensors(quant_state))
+    if A.dim() == 0:
+        raise ValueError(
+            f"matmul_4bit needs an input with at least one dimension (features last), got a 0-d tensor; "
+            f"the weight takes {quant_state.shape[-1] if len(quant_state.shape) == 2 else '?'} features"
+        )
     if len(quant_state.shape) != 2:
         raise ValueError(f"matmul_4bit needs a 2-D weight, quant_state.shape is {tuple(quant_state.shape)}")
     n, k = (int(s) for s in quant_state.shape)
@@ -853,10 +916,27 @@ class _MatmulKN(torch.autograd.Function):
         return ops.gemm_4bit(g, *_weight_operands(packed, ctx.qs), None), None, None
 
 
+def _int8_rows(A, fn: str, name: str = "A") -> torch.Tensor:
+    """A [..., k] as its rows [m, k] (k >= 1), or ValueError naming ``fn`` and the shape."""
+    _check_tensors(A=A)
+    if A.dim() == 0 or A.shape[-1] == 0:
+        raise ValueError(
+            f"{fn}: {name} must have at least one dimension with a non-empty last (features) dimension, "
+            f"got shape {tuple(A.shape)}"
+        )
+    return A.reshape(-1, A.shape[-1])
+
+
+def _check_stats(stats, n: int, fn: str, name: str, what: str) -> None:
+    if not isinstance(stats, torch.Tensor) or stats.numel() != n:
+        got = f"{stats.dtype}{list(stats.shape)}" if isinstance(stats, torch.Tensor) else type(stats).__name__
+        raise ValueError(f"{fn}: {name} must hold one value per {what} ({n}), got {got}")
+
+
 def int8_vectorwise_quant(A: torch.Tensor, threshold: float = 0.0):
     """LLM.int8 row-wise quantization, as bitsandbytes.functional.int8_vectorwise_quant:
     (int8 rows, fp32 row_stats, outlier column indices or None when threshold is 0)."""
-    rows = A.reshape(-1, A.shape[-1])
+    rows = _int8_rows(A, "int8_vectorwise_quant")
     q, stats, cols = ops.int8_quantize_rows(rows, float(threshold))
     outlier_cols = torch.nonzero(cols).reshape(-1) if threshold > 0 else None
     return q.reshape(A.shape), stats, outlier_cols
@@ -938,12 +1018,14 @@ def int8_mm_dequant(
 ) -> torch.Tensor:
     """fp16 (A * (row_stats * col_stats) / 127^2 + bias) for the int32 product
     A of int8_linear_matmul (q4's LLM.int8 epilogue order)."""
-    if A.dtype != torch.int32:
-        raise ValueError(f"A must be int32, got {A.dtype}")
+    if not isinstance(A, torch.Tensor) or A.dtype != torch.int32:
+        raise ValueError(f"A must be int32, got {getattr(A, 'dtype', type(A).__name__)}")
+    a = _int8_rows(A, "int8_mm_dequant")
     for name, t in (("row_stats", row_stats), ("col_stats", col_stats)):
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {t.dtype}")
-    a = A.reshape(-1, A.shape[-1])
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {getattr(t, 'dtype', type(t).__name__)}")
+    _check_stats(row_stats, a.shape[0], "int8_mm_dequant", "row_stats", "row of A")
+    _check_stats(col_stats, a.shape[1], "int8_mm_dequant", "col_stats", "column of A")
     scale = row_stats.reshape(-1, 1) * col_stats.reshape(1, -1)
     result = a.to(torch.float32) * scale * _INV_127_SQ
     if bias is not None:
@@ -956,8 +1038,10 @@ def int8_mm_dequant(
 
 def int8_vectorwise_dequant(A: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """fp32 A * stats[row] / 127 (rows of A: all but its last dim)."""
-    if A.dtype != torch.int8:
-        raise TypeError(f"A must be int8, got {A.dtype}")
+    if not isinstance(A, torch.Tensor) or A.dtype != torch.int8:
+        raise TypeError(f"A must be int8, got {getattr(A, 'dtype', type(A).__name__)}")
+    rows = _int8_rows(A, "int8_vectorwise_dequant")
+    _check_stats(stats, rows.shape[0], "int8_vectorwise_dequant", "stats", "row of A")
     return A.to(torch.float32) * stats.reshape(-1, *([1] * (A.dim() - 1))).reshape(*A.shape[:-1], 1) * _INV_127
 
 
@@ -968,7 +1052,7 @@ def int8_double_quant(A: torch.Tensor, col_stats=None, row_stats=None, out_col=N
     for name, v in (("col_stats", col_stats), ("row_stats", row_stats), ("out_col", out_col), ("out_row", out_row)):
         if v is not None:
             raise ValueError(f"{name} must be None: int8_double_quant does not take pre-allocated outputs")
-    rows = A.reshape(-1, A.shape[-1])
+    rows = _int8_rows(A, "int8_double_quant")
     q_row, s_row, outliers = int8_vectorwise_quant(rows, threshold)
     cols = rows
     if outliers is not None and outliers.numel():

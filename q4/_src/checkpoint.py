@@ -125,6 +125,12 @@ def _check_4bit(tensors: dict[str, np.ndarray], prefix: str) -> dict:
     if weight_key not in tensors:
         raise CheckpointError(f"layer '{prefix}': missing tensor '{weight_key}'")
     weight = tensors[weight_key]
+    if np.asarray(weight).dtype.kind not in "uif" and np.asarray(weight).dtype.name != "bfloat16":
+        # (a bool view: any copy turns every non-zero byte into 1, so other codes)
+        raise CheckpointError(
+            f"tensor '{weight_key}' is {np.asarray(weight).dtype}; packed 4-bit bytes are stored as an integer or "
+            "float dtype (uint8 by default)"
+        )
     formats.check_packed_size(
         weight.nbytes,
         math.prod(state.shape),

@@ -105,6 +105,8 @@ class Options:
             raise ValueError(f"--method must be absmax, mse or gptq, got {self.method!r}")
         if not self.gptq_damp > 0:
             raise ValueError(f"--damp must be > 0, got {self.gptq_damp}")
+        if not math.isfinite(self.gptq_damp):
+            raise ValueError(f"--damp must be finite, got {self.gptq_damp}")
         if (self.method == "gptq") != (self.hessians is not None):
             raise ValueError(
                 "--method gptq needs --calibration FILE (one text per line) and a model folder that transformers "
@@ -308,6 +310,15 @@ def _outputs(files: list[Path], index: Path | None, dst: Path) -> tuple[list[Pat
 
 
 def _quantize_one(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndarray], LayerResult]:
+    try:
+        return _quantize_tensor(r, key, opts)
+    except ValueError as e:  # (a NaN / Inf with nested statistics, a row past float16, GPTQ's Hessian ...)
+        if isinstance(e, CheckpointError) and key in str(e):
+            raise
+        raise CheckpointError(f"{r.path}: tensor '{key}': {e}") from None
+
+
+def _quantize_tensor(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.ndarray], LayerResult]:
     w = r.read(key)
     prefix = key[: -len("weight")]  # "<layer>."
     if opts.quant_type == "int8":

@@ -28,11 +28,12 @@ from the plain result and only move away from it where the error drops.
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 from q4._src import formats
-from q4._src.kernels import encode_4bit, quantize_4bit, quantize_nested, search_scales_4bit
+from q4._src.kernels import encode_4bit, quantize_4bit, quantize_blockwise, quantize_nested, search_scales_4bit
 from q4._src.quant_state import QuantState
 
 METHODS = ("absmax", "mse", "gptq")
@@ -52,6 +53,8 @@ def check_method_options(method, quant_type: str, calibration, damp: float = 0.0
     check_method(method)
     if not (isinstance(damp, (int, float)) and damp > 0):
         raise ValueError(f"gptq_damp must be > 0, got {formats.short_repr(damp)}")
+    if not math.isfinite(damp):
+        raise ValueError(f"gptq_damp must be finite, got {damp}")
     if method != "absmax" and quant_type == "int8":
         raise ValueError(f"method={method!r} applies to the 4-bit layers (quant_type 'nf4' or 'fp4'), not to 'int8'")
     if (method == "gptq") != (calibration is not None):
@@ -109,8 +112,37 @@ def quant_state(
     state = QuantState(quant_type, blocksize, tuple(int(s) for s in w.shape), dtype or w.dtype.name, absmax)
     if nested:
         codes, absmax2, offset = quantize_nested(absmax)
+        if not np.isfinite(offset):
+            codes, absmax2, offset = nested_fallback(absmax, blocksize)
         state.absmax, state.nested_absmax, state.nested_offset = codes, absmax2, float(offset)
     return state.validate()
+
+
+def check_nested_absmax(absmax: np.ndarray, blocksize: int) -> None:
+    """Nested statistics hold finite scales only: a block whose absmax is NaN
+    or Inf (a NaN or Inf in the weight) would make the nested offset, and so
+    every block of the layer, decode to NaN. ValueError naming the blocks."""
+    bad = np.nonzero(~np.isfinite(absmax))[0]
+    if bad.size:
+        first = bad[0] * blocksize
+        raise ValueError(
+            f"the weight holds NaN or Inf (in {bad.size} of {absmax.size} blocks of {blocksize}, the first one "
+            f"starting at element {first}: absmax {absmax[bad[0]]}); nested statistics (compress_statistics / nested) would "
+            "turn every block of the layer into NaN: fix the weight, or quantize it without nested statistics"
+        )
+
+
+def nested_fallback(absmax: np.ndarray, blocksize: int):
+    """The nested statistics of finite ``absmax`` whose float32 mean overflows
+    (scales near the float32 limit: the kernel's cascade sum, bitsandbytes',
+    reaches Inf): the offset is the float64 mean rounded to float32, then the
+    same 8-bit quantize of fp32(absmax - offset) in blocks of 256. Non-finite
+    absmax: check_nested_absmax's error."""
+    check_nested_absmax(absmax, blocksize)
+    offset = np.float32(np.mean(absmax, dtype=np.float64))
+    centred = (absmax.astype(np.float32) - offset).astype(np.float32)
+    codes, absmax2 = quantize_blockwise(centred, formats.nested_blocksize(), formats.code_table("dynamic"))
+    return codes, absmax2, offset
 
 
 def quantize_mse(
@@ -163,10 +195,18 @@ def gptq(
         raise ValueError(f"scales must be 'mse' or 'absmax', got {formats.short_repr(scales)}")
     if not damp > 0:
         raise ValueError(f"damp must be > 0, got {damp}")
+    if not math.isfinite(damp):
+        raise ValueError(f"damp must be finite, got {damp}")
     dead = np.diag(h) <= 0  # inputs never seen: no error to feed them
     h[dead, dead] = 1.0
     h[np.diag_indices(n_in)] += damp * float(np.mean(np.diag(h)))
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+    try:
+        u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: H^-1 = U^T U
+    except np.linalg.LinAlgError as exc:
+        raise ValueError(
+            f"gptq: the damped Hessian ({n_in}x{n_in}, damp={damp}) is not positive definite ({exc}): raise the "
+            "damping (e.g. 0.01 to 0.1) or add calibration data"
+        ) from None
     work = w.astype(np.float64)
     nibbles = np.zeros((n_out, n_in), np.uint8)
     absmax = np.zeros((n_out, n_in // blocksize), np.float32)

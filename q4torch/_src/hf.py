@@ -25,6 +25,8 @@ weight's checkpoint entries are validated and assembled by
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import re
 from typing import Any
 
 import torch
@@ -58,6 +60,30 @@ def _dtype(value, what: str) -> torch.dtype | None:
     return table[name]
 
 
+def _skip_patterns(patterns, what: str) -> tuple[str, ...] | None:
+    """``patterns`` as a tuple of the module names / regular expressions that
+    transformers matches (a prefix at a module boundary, a regex, or a
+    suffix), or ValueError naming the entry that is not a regex (a glob such
+    as '*lm_head', which q4torch.replace_linear takes, is not one)."""
+    if patterns is None:
+        return None
+    if isinstance(patterns, str):
+        raise TypeError(f"{what} must be a list of module names, got the string {patterns!r}")
+    out = tuple(patterns)
+    for p in out:
+        if not isinstance(p, str):
+            raise TypeError(f"{what} entries must be strings, got {p!r}")
+        try:
+            re.compile(p)
+        except re.error as e:
+            hint = f" (a glob? write {p.lstrip('*')!r} or {'.*' + p.lstrip('*')!r})" if "*" in p else ""
+            raise ValueError(
+                f"{what} entry {p!r} is not a regular expression ({e}); transformers matches module names by "
+                f"prefix, regex or suffix{hint}"
+            ) from None
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What the quantizer does, whichever config (Q4Config or
@@ -84,7 +110,7 @@ class Settings:
                     "q4 serves bitsandbytes configs with llm_int8_has_fp16_weight=False only (a frozen int8 "
                     "weight); load the float model and train it, or quantize afterwards"
                 )
-            skip = tuple(config.llm_int8_skip_modules) if config.llm_int8_skip_modules is not None else None
+            skip = _skip_patterns(config.llm_int8_skip_modules, "llm_int8_skip_modules")
             if config.load_in_8bit:
                 return cls("int8", threshold=float(config.llm_int8_threshold), skip_modules=skip)
             formats.check_quant_type(config.bnb_4bit_quant_type)
@@ -168,7 +194,7 @@ class Q4Config(QuantizationConfigMixin):
             compute_dtype=_dtype(compute_dtype, "compute_dtype"),
             quant_storage=_dtype(quant_storage, "quant_storage") or torch.uint8,
             threshold=float(threshold),
-            skip_modules=None if skip_modules is None else tuple(skip_modules),
+            skip_modules=_skip_patterns(skip_modules, "skip_modules"),
             activation_quant=activation_quant,
             method=method,
             quantize_head=bool(quantize_head),
@@ -237,9 +263,12 @@ class Q4Quantize(ConversionOps):
                     f"{name}: the checkpoint's weight has shape {tuple(value.shape)}, the layer expects "
                     f"{(module.out_features, module.in_features)}"
                 )
-            result[name] = quantized_weight(
-                module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage, method=s.method
-            )
+            try:
+                result[name] = quantized_weight(
+                    module, value, s.blocksize, s.compress_statistics, s.quant_type, s.quant_storage, method=s.method
+                )
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             module._is_hf_initialized = True
             _release_float(value)
         return result
@@ -257,9 +286,28 @@ class Q4Deserialize(ConversionOps):
         from q4torch.nn import Int8Params, Linear8bitLt, Params4bit
 
         entries = {k: (v[0] if isinstance(v, list) else v) for k, v in input_dict.items()}
-        module, _ = get_module_from_name(model, full_layer_name)
+        module, tensor_name = get_module_from_name(model, full_layer_name)
         if not isinstance(module, _layer_kind()):
-            return input_dict  # any other module's "weight" (a norm, an embedding, a skipped linear)
+            # any other module's "weight" (a norm, an embedding, a skipped linear)
+            stored = sorted(k for k in entries if k == "SCB" or JSON_KEY_PREFIX in k)
+            if stored:
+                raise ValueError(
+                    f"{full_layer_name}: the checkpoint stores this layer quantized ({', '.join(stored)}), but it is "
+                    f"kept as a float {type(module).__name__} (skip_modules / llm_int8_skip_modules names it, or "
+                    "q4 cannot quantize it): remove it from skip_modules, or load the float model and quantize "
+                    "it with the skip"
+                )
+            # transformers casts only what no quantizer op touches: this float weight gets the model's dtype here
+            target = module._parameters.get(tensor_name, module._buffers.get(tensor_name))
+            return {
+                k: v.to(target.dtype)
+                if target is not None
+                and target.is_floating_point()
+                and v.is_floating_point()
+                and v.dtype != target.dtype
+                else v
+                for k, v in entries.items()
+            }
         weight = entries.pop("weight", None)
         if weight is None:
             raise ValueError(f"{full_layer_name}: the checkpoint has no 'weight' entry, only {sorted(entries)}")
@@ -298,6 +346,51 @@ class Q4Deserialize(ConversionOps):
                 )
         module._is_hf_initialized = True
         return {"weight": new}
+
+
+def _check_stored_layers(model, checkpoint_files) -> None:
+    """Every q4 layer of a model loaded from a pre-quantized folder must find
+    its weight in the safetensors files: a missing one cannot be initialised
+    at random (packed bytes), so it is named here, before anything loads."""
+    from safetensors import safe_open
+
+    files = [str(f) for f in checkpoint_files or () if str(f).endswith(".safetensors")]
+    if not files or len(files) != len(checkpoint_files):
+        return  # (other formats: transformers' own report)
+    stored: set[str] = set()
+    for f in files:
+        with safe_open(f, "pt") as h:
+            stored.update(k[: -len(".weight")] for k in h.keys() if k.endswith(".weight"))
+    missing = []
+    for name, module in model.named_modules():
+        if not isinstance(module, _layer_kind()) or name in stored:
+            continue
+        # (a checkpoint of the base model under a head model's prefix, or the other way round)
+        if not any(s.endswith("." + name) or name.endswith("." + s) for s in stored):
+            missing.append(name)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(
+            f"the checkpoint has no weight for the quantized layers {', '.join(repr(m) for m in missing[:3])}{more} "
+            f"(no '<layer>.weight' in {', '.join(files)}): a quantized layer cannot be initialised at random; "
+            "complete the checkpoint, or keep those layers float with skip_modules / llm_int8_skip_modules"
+        )
+
+
+def _realign(model) -> None:
+    """A q4 layer's tensors that a file maps at an offset that is not a
+    multiple of their element size (folders that older q4 versions wrote) are copied: the kernels read aligned elements only."""
+    for module in model.modules():
+        if not isinstance(module, _layer_kind()):
+            continue
+        for p in list(module.parameters(recurse=False)):
+            if p.device.type != "meta" and p.data_ptr() % p.element_size():
+                p.data = p.data.clone()
+        qs = getattr(module.weight, "quant_state", None)
+        for holder, attr in ((qs, "absmax"), (qs, "offset"), (getattr(qs, "state2", None), "absmax")):
+            t = getattr(holder, attr, None) if holder is not None else None
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.data_ptr() % t.element_size():
+                setattr(holder, attr, t.clone())
 
 
 def _tied(model) -> bool:
@@ -441,9 +534,12 @@ class Q4HfQuantizer(HfQuantizer):
             raise ValueError(
                 f"q4 found no nn.Linear layer to quantize in this model (skip_modules: {self.modules_to_not_convert})"
             )
+        if self.pre_quantized:
+            _check_stored_layers(model, kwargs.get("checkpoint_files"))
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        _realign(model)
         if getattr(self, "tied_head", None) is not None:
             _quantize_tied_head(model, self.tied_head, self.settings)
         setattr(model, "is_loaded_in_8bit" if self.settings.quant_type == "int8" else "is_loaded_in_4bit", True)
@@ -526,3 +622,7 @@ def serves_bitsandbytes() -> bool:
 
 register_quantizer(METHOD)(Q4HfQuantizer)
 use_for_bitsandbytes()
+
+if importlib.util.find_spec("peft") is not None:
+    # a plain peft LoraConfig over the layers this loads: merging raises, naming q4torch.peft.register
+    import q4torch._src.peft  # noqa: F401, E402

@@ -72,7 +72,7 @@ class Params4bit(nn.Parameter):
         formats.check_quant_type(quant_type)
         self.quant_type = quant_type
         self.quant_state = quant_state
-        self.quant_storage = quant_storage
+        self.quant_storage = F.check_quant_storage(quant_storage)
         self.bnb_quantized = bnb_quantized
         self.module = module
         return self
@@ -244,7 +244,13 @@ def _rebuild_params4bit(state):
 
 
 def check_packed(data: torch.Tensor, quant_state: F.QuantState, key: str) -> None:
-    """A packed weight's bytes (whatever its storage dtype) against its QuantState's shape."""
+    """A packed weight's bytes (whatever its storage dtype, but bool) against its QuantState's shape."""
+    if data.dtype not in F.QUANT_STORAGE_DTYPES:
+        raise q4.QuantStateError(
+            f"'{key}' is stored as {data.dtype}; packed 4-bit bytes must be one of "
+            f"{', '.join(str(d) for d in F.QUANT_STORAGE_DTYPES)}"
+            + (" (a copy of a bool tensor turns every non-zero byte into 1)" if data.dtype is torch.bool else "")
+        )
     n = 1
     for s in quant_state.shape:
         n *= int(s)
@@ -409,7 +415,12 @@ class Linear4bit(nn.Linear):
         conditions (nothing recording, CPU). A bias of another dtype is cast
         on a copy, as forward does."""
         weight, bias = weight_and_bias(self)
-        if type(weight) is not Params4bit or not weight.bnb_quantized or x.shape[-1] != self.in_features:
+        if (
+            type(weight) is not Params4bit
+            or not weight.bnb_quantized
+            or x.dim() == 0
+            or x.shape[-1] != self.in_features
+        ):
             return None
         if self.compute_dtype is not None and self.compute_dtype != x.dtype:
             return None
@@ -428,8 +439,9 @@ class Linear4bit(nn.Linear):
         if y is not None:
             return y
         weight, quant_state = self.packed_weight()
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features, this layer expects in_features={self.in_features}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            got = "a 0-d input (no features dimension)" if x.dim() == 0 else f"input has {x.shape[-1]} features"
+            raise ValueError(f"Linear4bit: {got}, this layer expects in_features={self.in_features}")
         compute = self.compute_dtype if self.compute_dtype is not None else x.dtype
         # (no .to() calls when the dtypes already agree: ~0.7 us each, at batch 1 on a small layer a tenth of the call)
         bias: torch.Tensor | None = self.bias

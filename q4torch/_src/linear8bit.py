@@ -302,6 +302,9 @@ class Linear8bitLt(nn.Linear):
             if getattr(self, "force_no_igemmlt", False):
                 wd = (w.detach().to(torch.float32) * (scb.to(torch.float32) * (1.0 / 127.0)).unsqueeze(1)).to(x.dtype)
                 return nn.functional.linear(x, wd, None if bias is None else bias.to(x.dtype))
+            if x.dtype == torch.float64:  # (the kernels take fp32/fp16/bf16: fp64 computes in fp32, as Linear4bit)
+                b = None if bias is None else bias.to(torch.float32)
+                return F.int8_linear(x.to(torch.float32), w, scb, self.threshold, b).to(x.dtype)
             return F.int8_linear(x, w, scb, self.threshold, bias)
         # Unquantized float weight: quantize a temporary copy (nothing stored).
         CB, SCB = _quantize_weight(w.detach())

@@ -17,6 +17,13 @@ What :class:`LoraLinear` changes, and nothing else:
   bitsandbytes is never imported.
 Adapter initialisations that rewrite the base weight (PiSSA, OLoRA, ...)
 are refused with the option named.
+
+peft has no registry of dispatchers outside a config, so a plain
+``LoraConfig`` (what a bitsandbytes user writes) still wraps a q4 layer in
+peft's own ``Linear``: training works, but its merge would add a float delta
+to packed bytes. Importing this module (``q4torch.peft``, and ``q4torch.hf``
+when peft is installed) makes that merge / unmerge raise a ValueError that
+names the layer and says to use :func:`register` (:func:`_guard_plain_lora`).
 """
 
 from __future__ import annotations
@@ -99,6 +106,34 @@ def merge_and_dequantize(peft_model: nn.Module) -> nn.Module:
             new.bias = nn.Parameter(bias, requires_grad=base.bias.requires_grad)
         base_model.set_submodule(name, new)
     return base_model
+
+
+def _guard_plain_lora() -> None:
+    """peft's LoRA ``Linear.merge`` / ``unmerge`` over a q4 layer (a config
+    without :func:`register`) raise a clear error instead of writing a float
+    delta into the packed bytes (peft's own message: a tensor size mismatch).
+    Idempotent; q4's LoraLinear overrides both and is not affected."""
+    for name in ("merge", "unmerge"):
+        method = getattr(PeftLoraLinear, name)
+        if getattr(method, "_q4_guard", False):
+            continue
+
+        def guarded(self, *args, _method=method, _name=name, **kwargs):
+            base = self.get_base_layer()
+            if isinstance(base, (Linear4bit, Linear8bitLt)) and not isinstance(self, LoraLinear):
+                raise ValueError(
+                    f"peft cannot {_name} a LoRA adapter into the q4torch {type(base).__name__} it wraps "
+                    f"({base.in_features} -> {base.out_features}): the adapters were created without q4's LoRA "
+                    "layer. Create them with get_peft_model(model, q4torch.peft.register(LoraConfig(...))) "
+                    "(or PeftModel.from_pretrained(model, path, config=q4torch.peft.register("
+                    "LoraConfig.from_pretrained(path)))): merging then dequantizes, adds the delta and quantizes "
+                    "again; the trained adapters load as they are"
+                )
+            return _method(self, *args, **kwargs)
+
+        guarded._q4_guard = True  # type: ignore[attr-defined]
+        guarded.__name__, guarded.__doc__ = method.__name__, method.__doc__
+        setattr(PeftLoraLinear, name, guarded)
 
 
 class Q4DoraLayer(DoraLinearLayer):
@@ -211,3 +246,6 @@ class LoraLinear(PeftLoraLinear):
 
     def __repr__(self) -> str:
         return "q4." + super().__repr__()
+
+
+_guard_plain_lora()

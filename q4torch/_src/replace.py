@@ -212,18 +212,21 @@ def replace_linear(
                         report.left_float.append(ReportRow(name, "Linear", f"activation_quant='int8': {e}"))
                         seen.add(id(child))
                         continue
-                new = _quantized(
-                    child,
-                    quant_type,
-                    compute_dtype,
-                    blocksize,
-                    compress_statistics,
-                    threshold,
-                    activation_quant,
-                    method,
-                    hessians.get(id(child)),
-                    gptq_damp,
-                )
+                try:
+                    new = _quantized(
+                        child,
+                        quant_type,
+                        compute_dtype,
+                        blocksize,
+                        compress_statistics,
+                        threshold,
+                        activation_quant,
+                        method,
+                        hessians.get(id(child)),
+                        gptq_damp,
+                    )
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
                 replaced[id(child)] = new
                 if method != "absmax":
                     logger.info("replace_linear(method=%r): %s (%d layers done)", method, name, len(replaced))
@@ -347,6 +350,10 @@ def _calibrate(model: nn.Module, skip, calibration, blocksize: int) -> dict[int,
     return quantizers.hessians(acc, {i: name for i, (name, _) in targets.items()})
 
 
+# config attributes that bound a sequence's length, as transformers' configs name them
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
 def calibration_hessians(folder, texts: list[str], blocksize: int) -> dict[str, np.ndarray]:
     """GPTQ's Hessians by layer name for the model folder ``folder``, loaded
     float with transformers (``AutoModelForCausalLM`` when its config names a
@@ -361,6 +368,14 @@ def calibration_hessians(folder, texts: list[str], blocksize: int) -> dict[str, 
     model = (AutoModelForCausalLM if causal else AutoModel).from_pretrained(folder, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder)
     batches = [dict(tok(t, return_tensors="pt")) for t in texts]
+    limit = next((v for a in _POSITION_LIMITS if isinstance(v := getattr(config, a, None), int) and v > 0), None)
+    for i, b in enumerate(batches):
+        n = int(b["input_ids"].shape[-1])
+        if limit is not None and n > limit:
+            raise ValueError(
+                f"calibration line {i + 1}: {n} tokens, more than the model's {limit} positions "
+                "(max_position_embeddings): shorten or split the line"
+            )
     targets = _targets(model, ())
     off_block = tuple(name for name, m in targets.values() if m.in_features % blocksize)
     return {targets[i][0]: h for i, h in _calibrate(model, off_block, batches, blocksize).items()}

