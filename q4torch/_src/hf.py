@@ -144,7 +144,8 @@ class Q4Config(QuantizationConfigMixin):
     nested absmax when ``compress_statistics``) or 'int8' (``Linear8bitLt``,
     LLM.int8 with outlier ``threshold``; 0 disables outliers).
     ``skip_modules``: module names kept in full precision (transformers'
-    matching: a prefix at a module boundary, a regex, or a suffix); None keeps
+    matching: a prefix at a module boundary, a regex, or a suffix; an entry
+    that is not a regex, such as the glob '*lm_head', is refused); None keeps
     transformers' default (the output head). ``compute_dtype`` and
     ``activation_quant`` ('int8': W4A8) as for ``q4torch.nn.Linear4bit``;
     ``method='mse'`` chooses each block's scale by error (same format).
