@@ -7,10 +7,16 @@ each contestant in a process of its own, run one after the other:
   q4jax+head     the same over the quantize_head folder
   bnb       transformers + BitsAndBytesConfig(nf4, bf16), eval + inference_mode (its fused CPU path)
   bf16      transformers, dense bf16
+  torchao   transformers bf16, then torchao 0.18's int4 weight-only on the CPU (quantize_ with
+            IntxWeightOnlyConfig(int4, group 64): the CPU path its x86 wheel runs; its
+            Int4WeightOnlyConfig needs the CUDA-only mslk, its packed CPU formats the low-bit
+            ops the wheel does not ship); installed into the cache on first use
   llamacpp  llama.cpp (the PyPI llama-cpp-python) on a GGUF of the same weights, Q4_0 and Q4_K_M
             quantized by llama.cpp's own quantizer (benchmarks/llm_gguf.py; installed on first use)
 
-For each: load time and the process's resident / peak memory after loading; prefill
+For each: load time and the process's resident / peak memory after loading (and what the
+load added to the resident memory of the process before it, against the weights held; and
+the resident memory after the runs, once the decode has touched every page); prefill
 tokens/s of a --prefill-token prompt (one forward); decode tokens/s at batch 1 after a
 --prompt-token prompt (greedy, through the KV cache, --decode tokens, the median step)
 and at batch 8. The decode floor is the bytes a token reads (the weights each contestant
@@ -37,7 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-CONTESTANTS = ("q4torch", "q4torch+head", "q4jax", "q4jax+head", "bnb", "bf16", "llamacpp-q4_0", "llamacpp-q4_k_m")
+CONTESTANTS = (
+    "q4torch", "q4torch+head", "q4jax", "q4jax+head", "bnb", "bf16", "torchao", "llamacpp-q4_0", "llamacpp-q4_k_m",
+)  # fmt: skip
+TORCHAO = "torchao==0.18.0"
 CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
 
 
@@ -65,11 +74,44 @@ def _median_step(step, n: int) -> float:
 # ------------------------------------------------------------------ contestants (child processes)
 
 
+def _torchao_path() -> Path:
+    """torchao, pip-installed once into the cache (never into the project's venv: peft and
+    transformers change their behaviour when it is importable)."""
+    target = CACHE / TORCHAO.replace("==", "-")
+    if not (target / "torchao").is_dir():
+        print(f"installing {TORCHAO} into {target} (once) ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), TORCHAO],
+                       check=True)  # fmt: skip
+    return target
+
+
+def _held_bytes(tensors) -> int:
+    """Bytes of distinct tensors (a tied head and its embedding counted once; a tensor
+    subclass, such as torchao's, by the tensors it holds)."""
+    seen: dict = {}
+
+    def add(t):
+        if type(t).__name__ not in ("Tensor", "Parameter") and hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        else:
+            seen[(t.device.type, t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+
+    for t in tensors:
+        add(t)
+    return sum(seen.values())
+
+
 def _torch_run(kind: str, folder: Path, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
 
     torch.set_num_threads(args.threads)
+    if kind == "torchao":
+        sys.path.insert(0, str(_torchao_path()))
+        from torchao.quantization import IntxWeightOnlyConfig, quantize_
+        from torchao.quantization.granularity import PerGroup
+    rss0 = _rss()[0]
     t0 = time.perf_counter()
     if kind.startswith("q4torch"):
         import q4torch.hf
@@ -81,13 +123,16 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        if kind == "torchao":
+            quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64)))
     model.eval()
     load_s = time.perf_counter() - t0
     rss, peak, anon = _rss()
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    weight_bytes = _held_bytes(model.state_dict().values())
     vocab = model.config.vocab_size
     rng = torch.Generator().manual_seed(0)
-    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": weight_bytes}
+    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": weight_bytes,
+           "rss_before_mb": rss0}  # fmt: skip
 
     with torch.inference_mode():
         prompt = torch.randint(0, vocab, (1, args.prefill), generator=rng)
@@ -108,6 +153,7 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
             for _ in range(2):
                 step()
             out[f"decode_b{batch}_tok_s"] = batch / _median_step(step, args.decode)
+    out["rss_end_mb"] = _rss()[0]
     if kind in ("q4torch", "bnb") and args.qlora:
         out["qlora_tok_s"] = _torch_qlora(model, kind, vocab, args)
     return out
@@ -149,13 +195,14 @@ def _jax_run(folder: Path, args) -> dict:
 
     from examples.llm import flax_llama as FL
 
+    rss0 = _rss()[0]
     t0 = time.perf_counter()
     model = FL.load(folder, jnp.bfloat16)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
     rss, peak, anon = _rss()
     held = sum(a.nbytes for a in jax.tree.leaves(nnx.state(model)))
-    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": held}
+    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": held, "rss_before_mb": rss0}
     vocab = model.cfg["vocab_size"]
     rng = np.random.default_rng(0)
     step = FL.decode_step(model)
@@ -181,6 +228,7 @@ def _jax_run(folder: Path, args) -> dict:
 
         one()
         out[f"decode_b{batch}_tok_s"] = batch / _median_step(one, args.decode)
+    out["rss_end_mb"] = _rss()[0]
     if args.qlora:
         out["qlora_tok_s"] = _jax_qlora(model, vocab, args)
     return out
@@ -223,6 +271,7 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
     llama_cpp = load_llama_cpp()
     qtype = kind.split("-", 1)[1]
     path = gguf_file(folder, qtype)
+    rss0 = _rss()[0]
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(
         str(path), n_ctx=max(args.prefill, args.prompt + args.decode) + 8, n_threads=args.threads,
@@ -234,7 +283,8 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
 
     rng = np.random.default_rng(0)
     vocab = llm.n_vocab()
-    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": path.stat().st_size}
+    out = {"load_s": load_s, "rss_mb": rss, "anon_mb": anon, "peak_mb": peak, "held_bytes": path.stat().st_size,
+           "rss_before_mb": rss0}  # fmt: skip
     prompt = [int(t) for t in rng.integers(0, vocab, args.prefill)]
     llm.reset()
     llm.eval(prompt)  # warm
@@ -251,11 +301,12 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
 
     step()
     out["decode_b1_tok_s"] = 1 / _median_step(step, args.decode)
+    out["rss_end_mb"] = _rss()[0]
     return out
 
 
 def child(name: str, folder: Path, args) -> dict:
-    if name in ("q4torch", "q4torch+head", "bnb", "bf16"):
+    if name in ("q4torch", "q4torch+head", "bnb", "bf16", "torchao"):
         return _torch_run(name, folder, args)
     if name in ("q4jax", "q4jax+head"):
         return _jax_run(folder / ("q4-nf4-head" if name.endswith("+head") else "q4-nf4"), args)
@@ -359,14 +410,17 @@ def main(argv=None) -> int:
             floor_ms = r["held_bytes"] / bw * 1e3
         else:
             floor_ms = floors[1 if name.endswith("+head") else 0] / bw * 1e3
+        added = r["rss_mb"] - r["rss_before_mb"]
         rows.append([
-            name, r["load_s"], r["rss_mb"], r["anon_mb"], r["peak_mb"], r["held_bytes"] / 1e6, r["prefill_tok_s"], b1,
+            name, r["load_s"], r["rss_mb"], r["anon_mb"], r["peak_mb"], r["held_bytes"] / 1e6,
+            added / (r["held_bytes"] / 1e6), r["rss_end_mb"], r["prefill_tok_s"], b1,
             1e3 / b1 if b1 else None,
             r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None, r.get("qlora_tok_s"),
         ])  # fmt: skip
     print_table(
         f"Llama 3 {args.size}, {args.threads} threads; prefill {args.prefill} tokens, decode after {args.prompt}",
-        ["contestant", "load s", "RSS MB", "anon MB", "peak MB", "weights MB", "prefill tok/s", "decode b1 tok/s",
+        ["contestant", "load s", "RSS MB", "anon MB", "peak MB", "weights MB", "load adds / weights", "RSS end MB",
+         "prefill tok/s", "decode b1 tok/s",
          "ms/token",
          "decode b8 tok/s", "share of floor", "QLoRA tok/s"],
         rows,

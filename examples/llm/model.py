@@ -5,6 +5,7 @@ SwiGLU, RMSNorm, tied embeddings)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 # Llama-3.2-1B's shapes; "tiny" keeps every feature (GQA 2:1, tied head, llama3 RoPE)
@@ -39,22 +40,56 @@ def config(size: str):
     )
 
 
-def make_folder(path, size: str = "tiny", *, seed: int = 0, dtype: str = "bfloat16") -> Path:
-    """Write a transformers folder (config.json + model.safetensors) of a decoder of
-    ``size`` with random weights (normal, std 0.02 as the config's initializer says;
-    seeded, so the same folder every time). Returns the folder."""
+def make_folder(
+    path, size: str = "tiny", *, seed: int = 0, dtype: str = "bfloat16", shard_bytes: int = 2 << 30
+) -> Path:
+    """Write a transformers folder (config.json + safetensors shards of at most
+    ``shard_bytes``, with their index when there are several) of a decoder of ``size`` with
+    random weights: normal with the config's initializer std (0.02) for every matrix, ones
+    for the norms, as transformers initialises the model; seeded, so the same folder every
+    time. One shard at a time: the model is built on the meta device for its names and
+    shapes only, so a 7B folder is written holding 2 GB, not 16 GB of weights. Returns the
+    folder."""
     import torch
+    from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
     path = Path(path)
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))  # a 7B model built in fp32 would not fit in 24 GiB
-    try:
-        model = LlamaForCausalLM(config(size))
-    finally:
-        torch.set_default_dtype(previous)
-    model.save_pretrained(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = config(size)
+    torch_dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a tied head is no parameter of its own
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * torch_dtype.itemsize
+        if groups[-1] and used + nbytes > shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += nbytes
+    files = (["model.safetensors"] if len(groups) == 1
+             else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    for names, file in zip(groups, files, strict=True):
+        shard = {}
+        for name in names:
+            if name.endswith("norm.weight"):
+                shard[name] = torch.ones(shapes[name], dtype=torch_dtype)
+            else:
+                shard[name] = (torch.randn(shapes[name], generator=gen) * cfg.initializer_range).to(torch_dtype)
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        del shard
+    if len(groups) > 1:
+        total = sum(math.prod(s) for s in shapes.values()) * torch_dtype.itemsize
+        weight_map = {name: file for names, file in zip(groups, files, strict=True) for name in names}
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    cfg.dtype = dtype
+    cfg.save_pretrained(path)
     return path
 
 

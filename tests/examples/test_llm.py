@@ -30,8 +30,8 @@ PROMPT = np.random.default_rng(0).integers(0, M.SIZES["tiny"]["vocab_size"], (2,
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """(float folder, NF4 folder written by transformers + q4torch)."""
-    float_dir = M.make_folder(tmp_path_factory.mktemp("llm") / "float", "tiny", dtype="float32")
+    """(float folder, in shards of 64 KiB, NF4 folder written by transformers + q4torch)."""
+    float_dir = M.make_folder(tmp_path_factory.mktemp("llm") / "float", "tiny", dtype="float32", shard_bytes=64 << 10)
     q = transformers.AutoModelForCausalLM.from_pretrained(
         float_dir, dtype=torch.float32, quantization_config=q4torch.hf.Q4Config("nf4")
     )
@@ -47,6 +47,20 @@ def _torch_model(folder):
 def _close(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(b).max()))
+
+
+def test_folder_shards_hold_the_same_weights(folders, tmp_path):
+    """make_folder writes one tensor stream, whatever the shard size: a sharded folder and a
+    one-file folder of the same seed hold the same tensors, all listed in the index."""
+    float_dir, _ = folders
+    assert len(list(float_dir.glob("model-*-of-*.safetensors"))) > 1
+    one = M.make_folder(tmp_path / "one", "tiny", dtype="float32")
+    assert (one / "model.safetensors").exists() and not (one / "model.safetensors.index.json").exists()
+    a, b = q4.checkpoint.load_checkpoint(float_dir), q4.checkpoint.load_checkpoint(one)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert float(np.std(b["model.layers.0.mlp.up_proj.weight"])) == pytest.approx(0.02, rel=0.05)
 
 
 def test_flax_decoder_equals_transformers_on_float_weights(folders):
