@@ -1,6 +1,6 @@
 """q4jax: the JAX front end of q4 (XLA FFI custom calls into the shared kernels)."""
 
-from q4jax import nn
+from q4jax import nn, optim
 from q4jax._src.checkpoint import load_quantized, load_state_dict, state_dict
 from q4jax._src.lora import add_lora
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
@@ -30,6 +30,7 @@ __all__ = [
     "load_quantized",
     "load_state_dict",
     "nn",
+    "optim",
     "quantize_model",
     "QuantizeReport",
     "shard_model",

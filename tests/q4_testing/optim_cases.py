@@ -63,3 +63,27 @@ def oracle_steps(case: Case, p0: np.ndarray, grads, sqrt=np.sqrt, qmap1=None, qm
         if round_param is not None:
             p = round_param(p)
         yield p, s1, a1, s2, a2
+
+
+def exact_update_exists(p: np.float32, new: np.float32) -> bool:
+    """Whether some fp32 u has fp32(p + u) == new (optax applies p + u): u = new - p
+    or one of its neighbours within 4 ulp."""
+    u = np.float32(new - p)
+    for k in range(-4, 5):
+        c = u
+        for _ in range(abs(k)):
+            c = np.nextafter(c, np.float32(np.inf if k > 0 else -np.inf))
+        if np.float32(p + c) == new:
+            return True
+    return False
+
+
+def check_applied_params(before, got, want):
+    """A parameter applied by optax (p + u) against the kernel's: equal bits, but where no fp32 update reproduces the new value through p + u (an
+    update larger than the new value, e.g. one that crosses zero): there within an ulp of
+    the update."""
+    got32 = got.astype(np.float32)
+    for idx in np.argwhere(got32 != want):
+        i = tuple(idx)
+        assert not exact_update_exists(before[i], want[i]), (i, before[i], got32[i], want[i])
+        assert abs(got32[i] - want[i]) <= np.spacing(np.abs(want[i] - before[i])), i
