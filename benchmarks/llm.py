@@ -3,6 +3,8 @@ each contestant in a process of its own, run one after the other:
 
   q4torch   transformers + q4torch.hf.Q4Config("nf4"), bf16 compute (eager)
   q4torch+head   the same with Q4Config(quantize_head=True): the tied head in NF4 too
+  q4torch+head+compile   the same, its decode step compiled (torch.compile(fullgraph=True),
+            StaticCache; the compile time is reported apart)
   q4jax     examples/llm/flax_llama.py over the same NF4 bytes, bf16, jitted decode step
   q4jax+head     the same over the quantize_head folder
   bnb       transformers + BitsAndBytesConfig(nf4, bf16), eval + inference_mode (its fused CPU path)
@@ -44,7 +46,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 CONTESTANTS = (
-    "q4torch", "q4torch+head", "q4jax", "q4jax+head", "bnb", "bf16", "torchao", "llamacpp-q4_0", "llamacpp-q4_k_m",
+    "q4torch", "q4torch+head", "q4torch+head+compile", "q4jax", "q4jax+head", "bnb", "bf16", "torchao",
+    "llamacpp-q4_0", "llamacpp-q4_k_m",
 )  # fmt: skip
 TORCHAO = "torchao==0.18.0"
 CACHE = Path(os.environ.get("Q4_BENCH_CACHE", Path.home() / ".cache" / "q4-bench"))
@@ -104,7 +107,7 @@ def _held_bytes(tensors) -> int:
 
 def _torch_run(kind: str, folder: Path, args) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache, StaticCache
 
     torch.set_num_threads(args.threads)
     if kind == "torchao":
@@ -116,7 +119,7 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
     if kind.startswith("q4torch"):
         import q4torch.hf
 
-        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16, quantize_head=kind.endswith("+head"))
+        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16, quantize_head="+head" in kind)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
     elif kind == "bnb":
         qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
@@ -140,18 +143,31 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
         t0 = time.perf_counter()
         model(prompt)
         out["prefill_tok_s"] = args.prefill / (time.perf_counter() - t0)
+        # "+compile": the decode step through torch.compile(fullgraph=True) over a StaticCache
+        # (transformers' recipe for a compiled decode: fixed shapes, one graph per batch size,
+        # the compile time reported apart); the prefill stays eager
+        compiled = kind.endswith("+compile")
+        forward = torch.compile(model, fullgraph=True, dynamic=False) if compiled else model
         for batch in (1, 8):
             prompt = torch.randint(0, vocab, (batch, args.prompt), generator=rng)
-            cache = DynamicCache(config=model.config)
+            if compiled:
+                cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.decode + 8)
+            else:
+                cache = DynamicCache(config=model.config)
             logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
-            state = {"tok": logits.argmax(-1, keepdim=True), "cache": cache}
+            state = {"tok": logits.argmax(-1, keepdim=True), "cache": cache, "pos": args.prompt}
 
             def step(state=state):
-                lg = model(state["tok"], past_key_values=state["cache"], use_cache=True).logits[:, -1]
-                state["tok"] = lg.argmax(-1, keepdim=True)
+                pos = torch.tensor([state["pos"]])
+                lg = forward(state["tok"], past_key_values=state["cache"], use_cache=True, cache_position=pos).logits
+                state["tok"] = lg[:, -1].argmax(-1, keepdim=True)
+                state["pos"] += 1
 
-            for _ in range(2):
-                step()
+            t0 = time.perf_counter()
+            step()
+            if compiled:
+                out[f"compile_b{batch}_s"] = time.perf_counter() - t0
+            step()
             out[f"decode_b{batch}_tok_s"] = batch / _median_step(step, args.decode)
     out["rss_end_mb"] = _rss()[0]
     if kind in ("q4torch", "bnb") and args.qlora:
@@ -306,7 +322,7 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
 
 
 def child(name: str, folder: Path, args) -> dict:
-    if name in ("q4torch", "q4torch+head", "bnb", "bf16", "torchao"):
+    if name in ("q4torch", "q4torch+head", "q4torch+head+compile", "bnb", "bf16", "torchao"):
         return _torch_run(name, folder, args)
     if name in ("q4jax", "q4jax+head"):
         return _jax_run(folder / ("q4-nf4-head" if name.endswith("+head") else "q4-nf4"), args)
@@ -409,7 +425,7 @@ def main(argv=None) -> int:
         if name.startswith("llamacpp"):
             floor_ms = r["held_bytes"] / bw * 1e3
         else:
-            floor_ms = floors[1 if name.endswith("+head") else 0] / bw * 1e3
+            floor_ms = floors[1 if "+head" in name else 0] / bw * 1e3
         added = r["rss_mb"] - r["rss_before_mb"]
         rows.append([
             name, r["load_s"], r["rss_mb"], r["anon_mb"], r["peak_mb"], r["held_bytes"] / 1e6,
