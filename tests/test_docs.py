@@ -62,7 +62,7 @@ def test_readme_is_for_users():
 
 
 API_MODULES = ["q4", "q4.checkpoint", "q4torch", "q4torch.nn", "q4torch.functional", "q4torch.hf", "q4torch.peft",
-               "q4jax", "q4jax.nn"]  # fmt: skip
+               "q4torch.optim", "q4jax", "q4jax.nn", "q4jax.optim"]  # fmt: skip
 
 
 @pytest.mark.parametrize("module", API_MODULES)
