@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,23 @@ def _held_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+_MATMUL_OPS = re.compile(r"gemm|gemv|matmul_4bit|dequantize|int8_linear|^aten::(mm|addmm|_weight_int4pack)")
+
+
+def _matmul_ms(step, n: int = 3) -> float:
+    """Milliseconds a decode step spends in the weight matmuls (q4's gemm, bitsandbytes'
+    gemv / dequantize, torch's mm / addmm; attention is not one of them), from
+    torch.profiler's self CPU time over n steps: the rest of the step is the model's own
+    eager code."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            step()
+    us = sum(e.self_cpu_time_total for e in prof.key_averages() if _MATMUL_OPS.search(e.key))
+    return us / 1e3 / n
+
+
 def _torch_run(kind: str, folder: Path, args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, DynamicCache, StaticCache
@@ -169,6 +187,8 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
                 out[f"compile_b{batch}_s"] = time.perf_counter() - t0
             step()
             out[f"decode_b{batch}_tok_s"] = batch / _median_step(step, args.decode)
+            if batch == 1 and not compiled:
+                out["matmul_ms_b1"] = _matmul_ms(step)
     out["rss_end_mb"] = _rss()[0]
     if kind in ("q4torch", "bnb") and args.qlora:
         out["qlora_tok_s"] = _torch_qlora(model, kind, vocab, args)
@@ -431,13 +451,14 @@ def main(argv=None) -> int:
             name, r["load_s"], r["rss_mb"], r["anon_mb"], r["peak_mb"], r["held_bytes"] / 1e6,
             added / (r["held_bytes"] / 1e6), r["rss_end_mb"], r["prefill_tok_s"], b1,
             1e3 / b1 if b1 else None,
+            r.get("matmul_ms_b1"), 1e3 / b1 - r["matmul_ms_b1"] if b1 and r.get("matmul_ms_b1") else None,
             r.get("decode_b8_tok_s"), floor_ms / (1e3 / b1) if b1 else None, r.get("qlora_tok_s"),
         ])  # fmt: skip
     print_table(
         f"Llama 3 {args.size}, {args.threads} threads; prefill {args.prefill} tokens, decode after {args.prompt}",
         ["contestant", "load s", "RSS MB", "anon MB", "peak MB", "weights MB", "load adds / weights", "RSS end MB",
          "prefill tok/s", "decode b1 tok/s",
-         "ms/token",
+         "ms/token", "in matmuls ms", "outside ms",
          "decode b8 tok/s", "share of floor", "QLoRA tok/s"],
         rows,
     )  # fmt: skip
