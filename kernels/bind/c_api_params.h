@@ -219,7 +219,7 @@ inline Optim8bitParams optimizer_update_8bit(int32_t optimizer, void* param, int
                                              const float* qmap1, uint8_t* state2, float* absmax2, const float* qmap2,
                                              int64_t absmax_size, int64_t step, double lr, double beta1, double beta2,
                                              double eps, double weight_decay, double gnorm_scale,
-                                             int32_t* skipped_blocks) {
+                                             int32_t* skipped_blocks, float* update) {
   Optim8bitParams p;
   p.optimizer = optimizer;
   p.param = param;
@@ -242,6 +242,7 @@ inline Optim8bitParams optimizer_update_8bit(int32_t optimizer, void* param, int
   p.weight_decay = weight_decay;
   p.gnorm_scale = gnorm_scale;
   p.skipped_blocks = skipped_blocks;
+  p.update = update;
   return p;
 }
 

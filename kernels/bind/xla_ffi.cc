@@ -129,17 +129,20 @@ ffi::Error int8_grad_input(ffi::ThreadPool pool, ffi::AnyBuffer grad_out, ffi::B
   });
 }
 
-ffi::Error optimizer_update_8bit(
-    ffi::ThreadPool pool, ffi::AnyBuffer param, ffi::AnyBuffer grad, ffi::Buffer<ffi::U8> state1,
-    ffi::Buffer<ffi::F32> absmax1, ffi::Buffer<ffi::U8> state2, ffi::Buffer<ffi::F32> absmax2,
-    ffi::Buffer<ffi::F32> qmap1, ffi::Buffer<ffi::F32> qmap2, ffi::Buffer<ffi::S32> step,
-    ffi::Buffer<ffi::F32> lr_scale, ffi::Result<ffi::AnyBuffer> param_out, ffi::Result<ffi::Buffer<ffi::U8>> state1_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> absmax1_out, ffi::Result<ffi::Buffer<ffi::U8>> state2_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> absmax2_out, ffi::Result<ffi::Buffer<ffi::S32>> skipped, int64_t optimizer,
-    double lr, double beta1, double beta2, double eps, double weight_decay, double gnorm_scale) {
+ffi::Error optimizer_update_8bit(ffi::ThreadPool pool, ffi::AnyBuffer param, ffi::AnyBuffer grad,
+                                 ffi::Buffer<ffi::U8> state1, ffi::Buffer<ffi::F32> absmax1,
+                                 ffi::Buffer<ffi::U8> state2, ffi::Buffer<ffi::F32> absmax2,
+                                 ffi::Buffer<ffi::F32> qmap1, ffi::Buffer<ffi::F32> qmap2, ffi::Buffer<ffi::S32> step,
+                                 ffi::Buffer<ffi::F32> lr_scale, ffi::Result<ffi::Buffer<ffi::F32>> update,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> state1_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> absmax1_out,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> state2_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> absmax2_out,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> skipped, int64_t optimizer, double lr, double beta1,
+                                 double beta2, double eps, double weight_decay, double gnorm_scale) {
   return on_pool(pool, [&] {
     return optimizer_update_8bit_ffi(
-        param, grad, state1, absmax1, state2, absmax2, qmap1, qmap2, step, lr_scale, param_out, state1_out, absmax1_out,
+        param, grad, state1, absmax1, state2, absmax2, qmap1, qmap2, step, lr_scale, update, state1_out, absmax1_out,
         state2_out, absmax2_out, skipped, optimizer, lr, beta1, beta2, eps, weight_decay, gnorm_scale,
         [](void* dst, const void* src, int64_t bytes) {
           if (dst != src && bytes > 0) std::memcpy(dst, src, size_t(bytes));

@@ -238,11 +238,13 @@ auto bind_int8_grad_input(B b) {
       .template Attr<int64_t>("k");
 }
 
-// Blockwise 8-bit optimizer step (Optim8bitParams). The parameter and the
-// states are updated in place: each result aliases its operand (the caller
-// passes input_output_aliases); an unaliased result is first copied from its
-// operand. One parameter per call (no batching). For the 1-state optimizers
-// state2 / absmax2 / qmap2 are empty.
+// Blockwise 8-bit optimizer step (Optim8bitParams). The parameter is only
+// read: the first result is the fp32 update u with param + u == the new
+// parameter (Optim8bitParams::update, what optax applies). The states are
+// updated in place: each state result aliases its operand (the caller passes
+// input_output_aliases); an unaliased one is first copied from its operand.
+// One parameter per call (no batching). For the 1-state optimizers state2 /
+// absmax2 / qmap2 are empty.
 template <class B>
 auto bind_optimizer_update_8bit(B b) {
   return std::move(b)
@@ -256,7 +258,7 @@ auto bind_optimizer_update_8bit(B b) {
       .template Arg<ffi::Buffer<ffi::F32>>()  // qmap2: [256] (adam) or empty
       .template Arg<ffi::Buffer<ffi::S32>>()  // step: [1], >= 1
       .template Arg<ffi::Buffer<ffi::F32>>()  // lr_scale: [1], the step's lr = lr * lr_scale
-      .template Ret<ffi::AnyBuffer>()         // param (aliases the operand)
+      .template Ret<ffi::Buffer<ffi::F32>>()  // update: [n]
       .template Ret<ffi::Buffer<ffi::U8>>()   // state1
       .template Ret<ffi::Buffer<ffi::F32>>()  // absmax1
       .template Ret<ffi::Buffer<ffi::U8>>()   // state2
@@ -624,13 +626,13 @@ ffi::Error optimizer_update_8bit_ffi(
     ffi::AnyBuffer param, ffi::AnyBuffer grad, ffi::Buffer<ffi::U8> state1, ffi::Buffer<ffi::F32> absmax1,
     ffi::Buffer<ffi::U8> state2, ffi::Buffer<ffi::F32> absmax2, ffi::Buffer<ffi::F32> qmap1,
     ffi::Buffer<ffi::F32> qmap2, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::F32> lr_scale,
-    ffi::Result<ffi::AnyBuffer> param_out, ffi::Result<ffi::Buffer<ffi::U8>> state1_out,
+    ffi::Result<ffi::Buffer<ffi::F32>> update, ffi::Result<ffi::Buffer<ffi::U8>> state1_out,
     ffi::Result<ffi::Buffer<ffi::F32>> absmax1_out, ffi::Result<ffi::Buffer<ffi::U8>> state2_out,
     ffi::Result<ffi::Buffer<ffi::F32>> absmax2_out, ffi::Result<ffi::Buffer<ffi::S32>> skipped, int64_t optimizer,
     double lr, double beta1, double beta2, double eps, double weight_decay, double gnorm_scale, Copy copy, Run run) {
   Optim8bitParams p;
-  if (!dtype_of(param.element_type(), &p.param_dtype) || param_out->element_type() != param.element_type())
-    return invalid("optimizer_update_8bit parameter must be float32, float16 or bfloat16 (the same in and out)");
+  if (!dtype_of(param.element_type(), &p.param_dtype))
+    return invalid("optimizer_update_8bit parameter must be float32, float16 or bfloat16");
   if (!dtype_of(grad.element_type(), &p.grad_dtype))
     return invalid("optimizer_update_8bit gradient must be float32, float16 or bfloat16");
   const int64_t n = param.element_count();
@@ -647,9 +649,11 @@ ffi::Error optimizer_update_8bit_ffi(
     Q4_FFI_CHECK(same_batch("absmax2", absmax2.element_count(), p.absmax_size, 1));
     Q4_FFI_CHECK(same_batch("qmap2", qmap2.element_count(), 256, 1));
   }
+  Q4_FFI_CHECK(same_batch("update", update->element_count(), n, 1));
   if (step.element_count() != 1 || lr_scale.element_count() != 1 || skipped->element_count() != 1)
     return invalid("optimizer_update_8bit step, lr_scale and skipped must hold one element each");
-  p.param = param_out->untyped_data();
+  p.param = const_cast<void*>(param.untyped_data());  // only read: p.update is set
+  p.update = update->typed_data();
   p.grad = grad.untyped_data();
   p.state1 = state1_out->typed_data();
   p.absmax1 = absmax1_out->typed_data();
@@ -669,8 +673,6 @@ ffi::Error optimizer_update_8bit_ffi(
   p.weight_decay = weight_decay;
   p.gnorm_scale = gnorm_scale;
   Q4_FFI_CHECK(to_ffi(validate(p)));
-  const int64_t pbytes = n * elem_bytes(p.param_dtype);
-  Q4_FFI_CHECK(copy(param_out->untyped_data(), param.untyped_data(), pbytes));
   Q4_FFI_CHECK(copy(state1_out->typed_data(), state1.typed_data(), n));
   Q4_FFI_CHECK(copy(absmax1_out->typed_data(), absmax1.typed_data(), p.absmax_size * 4));
   if (two) {

@@ -97,16 +97,19 @@ ffi::Error int8_grad_input(cudaStream_t stream, ffi::AnyBuffer grad_out, ffi::Bu
                                  [&](const Int8GradInputParams& p) { return cuda::int8_grad_input(p, stream); });
 }
 
-ffi::Error optimizer_update_8bit(
-    cudaStream_t stream, ffi::AnyBuffer param, ffi::AnyBuffer grad, ffi::Buffer<ffi::U8> state1,
-    ffi::Buffer<ffi::F32> absmax1, ffi::Buffer<ffi::U8> state2, ffi::Buffer<ffi::F32> absmax2,
-    ffi::Buffer<ffi::F32> qmap1, ffi::Buffer<ffi::F32> qmap2, ffi::Buffer<ffi::S32> step,
-    ffi::Buffer<ffi::F32> lr_scale, ffi::Result<ffi::AnyBuffer> param_out, ffi::Result<ffi::Buffer<ffi::U8>> state1_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> absmax1_out, ffi::Result<ffi::Buffer<ffi::U8>> state2_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> absmax2_out, ffi::Result<ffi::Buffer<ffi::S32>> skipped, int64_t optimizer,
-    double lr, double beta1, double beta2, double eps, double weight_decay, double gnorm_scale) {
+ffi::Error optimizer_update_8bit(cudaStream_t stream, ffi::AnyBuffer param, ffi::AnyBuffer grad,
+                                 ffi::Buffer<ffi::U8> state1, ffi::Buffer<ffi::F32> absmax1,
+                                 ffi::Buffer<ffi::U8> state2, ffi::Buffer<ffi::F32> absmax2,
+                                 ffi::Buffer<ffi::F32> qmap1, ffi::Buffer<ffi::F32> qmap2, ffi::Buffer<ffi::S32> step,
+                                 ffi::Buffer<ffi::F32> lr_scale, ffi::Result<ffi::Buffer<ffi::F32>> update,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> state1_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> absmax1_out,
+                                 ffi::Result<ffi::Buffer<ffi::U8>> state2_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> absmax2_out,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> skipped, int64_t optimizer, double lr, double beta1,
+                                 double beta2, double eps, double weight_decay, double gnorm_scale) {
   return optimizer_update_8bit_ffi(
-      param, grad, state1, absmax1, state2, absmax2, qmap1, qmap2, step, lr_scale, param_out, state1_out, absmax1_out,
+      param, grad, state1, absmax1, state2, absmax2, qmap1, qmap2, step, lr_scale, update, state1_out, absmax1_out,
       state2_out, absmax2_out, skipped, optimizer, lr, beta1, beta2, eps, weight_decay, gnorm_scale,
       [&](void* dst, const void* src, int64_t bytes) {
         if (dst != src && bytes > 0 &&

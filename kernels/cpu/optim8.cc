@@ -83,6 +83,7 @@ int64_t scalar_blocks(const Optim8Call& c, int64_t b0, int64_t b1) {
     for (int64_t i = 0; i < len; ++i) finite &= optim8::finite_bits(Elem<G>::load(grad, start + i));
     if (!finite) {
       ++skipped;
+      if (p.update) std::memset(p.update + start, 0, sizeof(float) * size_t(len));
       continue;
     }
     const float a1 = p.absmax1[b], a2 = kTwo ? p.absmax2[b] : 0.0f;
@@ -90,8 +91,15 @@ int64_t scalar_blocks(const Optim8Call& c, int64_t b0, int64_t b1) {
       float w = Elem<P>::load(param, start + i);
       float mm = c.book1[p.state1[start + i]] * a1;
       float vv = kTwo ? c.book2[p.state2[start + i]] * a2 : 0.0f;
+      const float before = w;
       optim8::update<K>(c.k, Elem<G>::load(grad, start + i), w, mm, vv);
-      Elem<P>::store(param, start + i, w);
+      if (p.update) {
+        P stored[1];
+        Elem<P>::store(stored, 0, w);
+        p.update[start + i] = optim8::update_to(before, Elem<P>::load(stored, 0));
+      } else {
+        Elem<P>::store(param, start + i, w);
+      }
       m[i] = mm;
       v[i] = vv;
     }
@@ -160,6 +168,7 @@ Status optimizer_update_8bit(const Optim8bitParams& p) {
   if (!(q.lr >= 0.0 && std::isfinite(q.lr)))
     return Status::Invalid("lr * lr_scale must be finite and >= 0, got " + std::to_string(q.lr));
   ScopedIeeeFloat ieee;
+  if (q.update) hint_fresh_output(q.update, q.n * int64_t(sizeof(float)));  // XLA's outputs are often fresh
   Optim8Call c;
   c.p = &q;
   c.k = optim8::make_consts(q.optimizer, q.step, q.lr, q.beta1, q.beta2, q.eps, q.weight_decay, q.gnorm_scale);

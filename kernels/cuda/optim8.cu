@@ -104,15 +104,23 @@ __global__ void __launch_bounds__(kThreads) optim8_kernel(Optim8bitParams p) {
     __syncthreads();
     if (any_nonfinite) {
       if (t == 0 && p.skipped_blocks) atomicAdd(p.skipped_blocks, 1);
+      if (active && p.update) p.update[i] = 0.0f;
       __syncthreads();  // any_nonfinite is reset by the next block
       continue;
     }
     float w = active ? Elem<P>::load(param, i) : 0.0f;
     float m = active ? __fmul_rn(book1[p.state1[i]], p.absmax1[b]) : 0.0f;
     float v = (kTwo && active) ? __fmul_rn(book2[p.state2[i]], p.absmax2[b]) : 0.0f;
+    const float before = w;
     optim8::update<K>(k, g, w, m, v);
     if (!active) m = v = 0.0f;
-    if (active) Elem<P>::store(param, i, w);
+    if (active && p.update) {
+      P stored[1];
+      Elem<P>::store(stored, 0, w);
+      p.update[i] = optim8::update_to(before, Elem<P>::load(stored, 0));
+    } else if (active) {
+      Elem<P>::store(param, i, w);
+    }
     const float amax1 = block_absmax(m, scratch);
     if (active) p.state1[i] = quantize(m, amax1, thr1);
     if (t == 0) p.absmax1[b] = amax1;

@@ -60,10 +60,13 @@ def update_8bit_ptr(
     gnorm_scale: float,
     skipped,
     stream=None,
+    update=None,
 ) -> None:
     """One step in place on raw addresses (state2 / absmax2 / qmap2 None for the
     1-state optimizers); `skipped` (int32 [1] or None) receives the number of
-    blocks left unchanged because their gradient held a NaN or infinity."""
+    blocks left unchanged because their gradient held a NaN or infinity. With
+    `update` (fp32 [n]) the parameter is only read and update receives the u
+    with fp32(param + u) == the new parameter (see Optim8bitParams)."""
     _call(
         "optimizer_update_8bit",
         stream,
@@ -88,6 +91,7 @@ def update_8bit_ptr(
         float(weight_decay),
         float(gnorm_scale),
         skipped,
+        update,
     )
 
 
@@ -113,9 +117,11 @@ def update_8bit(
     gnorm_scale: float = 1.0,
     qmap1: np.ndarray | None = None,
     qmap2: np.ndarray | None = None,
+    update: np.ndarray | None = None,
 ) -> int:
     """One step on numpy arrays, in place (param: float32, float16 or
-    bfloat16, C-contiguous; grad likewise). Returns the skipped block count."""
+    bfloat16, C-contiguous; grad likewise), or into `update` (fp32, like param:
+    param is left as it is). Returns the skipped block count."""
     for a, what in ((param, "param"), (grad, "grad"), (state1, "state1"), (absmax1, "absmax1")):
         if not a.flags.c_contiguous or not a.flags.writeable:
             raise ValueError(f"{what} must be a writeable C-contiguous array")
@@ -144,5 +150,6 @@ def update_8bit(
         weight_decay,
         gnorm_scale,
         _ptr(skipped),
+        update=_ptr(update),
     )
     return int(skipped[0])

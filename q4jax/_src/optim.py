@@ -9,8 +9,9 @@ place (aliased). Smaller leaves keep fp32 states, updated with jnp in
 bitsandbytes' 32-bit order.
 
 optax applies an update as ``params + updates``; the kernel computes the new
-parameter, so the update returned is the fp32 ``u`` with ``params + u`` rounding to
-exactly the kernel's value (``new - params``, corrected by an ulp where needed):
+parameter and returns the fp32 ``u`` with ``params + u`` rounding to exactly that
+value (``new - params``, corrected by an ulp where needed; written into the fp32
+gradient's buffer, the parameter itself is only read):
 optax.apply_updates then gives q4torch's and bitsandbytes' parameter bits, except
 for an element whose update is larger than its new value (one that crosses zero,
 say), where no such fp32 ``u`` may exist: that one lands within an ulp of the update.
@@ -61,16 +62,17 @@ def _step_8bit(name, p, g, s1, a1, s2, a2, q1, q2, step, lr_scale, *, lr, b1, b2
     two = name in optim8.TWO_STATE
     ffi.register()
     out = (
-        jax.ShapeDtypeStruct(p.shape, p.dtype),
+        jax.ShapeDtypeStruct(p.shape, jnp.float32),
         jax.ShapeDtypeStruct(s1.shape, jnp.uint8),
         jax.ShapeDtypeStruct(a1.shape, jnp.float32),
         jax.ShapeDtypeStruct(s2.shape, jnp.uint8),
         jax.ShapeDtypeStruct(a2.shape, jnp.float32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
     )
-    call = jax.ffi.ffi_call(
-        "q4_optimizer_update_8bit", out, input_output_aliases={2: 1, 3: 2, 4: 3, 5: 4}, vmap_method=None
-    )
+    # the states update in place; an fp32 gradient's buffer takes the update (the kernel reads
+    # each gradient element before writing its update), so no fresh 4 B/parameter output
+    aliases = {2: 1, 3: 2, 4: 3, 5: 4, **({1: 0} if g.dtype == jnp.float32 else {})}
+    call = jax.ffi.ffi_call("q4_optimizer_update_8bit", out, input_output_aliases=aliases, vmap_method=None)
     return call(
         p,
         g,
@@ -192,7 +194,7 @@ def _optim8(
         skipped = jnp.zeros((), jnp.int32)
         for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
             if s1[i].dtype == jnp.uint8:
-                new_p, x1, y1, x2, y2, sk = _step_8bit(
+                u, x1, y1, x2, y2, sk = _step_8bit(
                     name, p, g, s1[i], a1[i], s2[i], a2[i], state.qmap1, state.qmap2, step, lr_scale,
                     lr=lr, b1=b1, b2=b2, eps=eps, wd=weight_decay,
                 )  # fmt: skip
@@ -203,7 +205,8 @@ def _optim8(
                 lr_now = lr * lr_scale
                 new_p, x1, x2 = _step_32bit(name, p, g, s1[i], s2[i], step, lr_now, b1, b2, eps, weight_decay)
                 y1, y2 = a1[i], a2[i]
-            new_u.append(_update_for(p, new_p))
+                u = _update_for(p, new_p)
+            new_u.append(u)
             n1.append(x1)
             na1.append(y1)
             n2.append(x2)

@@ -135,3 +135,31 @@ def test_library_maps_are_bitsandbytes_maps():
     for signed in (True, False):
         want = bnbf.create_dynamic_map(signed=signed).numpy()
         np.testing.assert_array_equal(optim8.qmap(signed).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("pdt", [np.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_update_output_reproduces_the_in_place_step(case, pdt, isa_all, rng):
+    """With an update buffer the parameter is only read, the states are the in-place
+    step's, and fp32(p + u) rounded to the parameter's dtype is the in-place parameter
+    (check_applied_params: where such a u exists; bf16 always)."""
+    from q4_testing.optim_cases import check_applied_params
+
+    n = 256 * 5 + 3
+    p0 = rng.standard_normal(n).astype(np.float32).astype(pdt) * pdt(0.01)  # small: some cross zero
+    g = gradients(rng, n, 1)[0]
+    kw = dict(step=1, lr=case.lr, beta1=case.beta1, beta2=case.beta2, eps=case.eps, weight_decay=case.weight_decay)
+    a, b = p0.copy(), p0.copy()
+    sa, sb = oracle.initial_state(n, case.rule), oracle.initial_state(n, case.rule)
+    optim8.update_8bit(case.rule, a, g, *sa, **kw)
+    u = np.empty(n, np.float32)
+    optim8.update_8bit(case.rule, b, g, *sb, **kw, update=u)
+    np.testing.assert_array_equal(b.view(np.uint8), p0.view(np.uint8))  # untouched
+    for x, y in zip(sa, sb, strict=True):
+        if x is not None:
+            np.testing.assert_array_equal(x, y)
+    applied = (p0.astype(np.float32) + u).astype(pdt).astype(np.float32)
+    if pdt is BF16:
+        np.testing.assert_array_equal(applied, a.astype(np.float32))
+    else:
+        check_applied_params(p0, applied, a)

@@ -231,6 +231,13 @@ struct Optim8bitParams {
   const int32_t* step_ptr = nullptr;
   const float* lr_scale_ptr = nullptr;
   int32_t* skipped_blocks = nullptr;  // [1] or null; set to the count (CUDA: device memory)
+  // [n] fp32 or null. When set, param is only read, and update[i] receives the
+  // fp32 u with fp32(param[i] + u) == the new parameter (rounded to the
+  // parameter's dtype), optim8::update_to: for a framework that applies
+  // updates itself (optax). A skipped block's update is 0. May be the fp32
+  // gradient's own buffer (each gradient element is read before its update
+  // is written).
+  float* update = nullptr;
 };
 
 namespace cpu {

@@ -206,6 +206,26 @@ Q4_HD void update(const Consts& k, float g, float& p, float& m, float& v) {
   }
 }
 
+// The fp32 u with fp32(p + u) == next (what optax's apply_updates computes):
+// u = next - p, moved by one ulp towards the target at most twice while p + u
+// rounds elsewhere. Such a u exists unless |next - p| > |next| (then p + u is
+// within an ulp of u from next).
+Q4_HD float nextafter_f(float x, bool up) {
+  if (x != x) return x;
+  if (x == 0.0f) return bits_f32(up ? 0x00000001u : 0x80000001u);
+  const uint32_t b = f32_bits(x);
+  return bits_f32(((x > 0.0f) == up) ? b + 1u : b - 1u);
+}
+Q4_HD float update_to(float p, float next) {
+  float u = next - p;
+  for (int i = 0; i < 2; ++i) {
+    const float r = p + u;
+    if (r == next || r != r) break;
+    u = nextafter_f(u, r < next);
+  }
+  return u;
+}
+
 // Whether a gradient value is finite (blocks holding a non-finite gradient
 // are left unchanged and counted; see Optim8bitParams).
 Q4_HD bool finite_bits(float g) { return (f32_bits(g) & 0x7f800000u) != 0x7f800000u; }

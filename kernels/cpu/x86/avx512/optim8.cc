@@ -68,6 +68,42 @@ inline void store16(bf16_t* p, __mmask16 m, V v) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(r));
 }
 
+// fp32 -> the parameter dtype and back (identity for fp32; bf16 rounded to nearest even)
+inline V round_to(float*, V v) { return v; }
+inline V round_to(bf16_t*, V v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+}
+
+// optim8::nextafter_f lane by lane (up: towards +inf); NaN lanes are never passed
+inline V next_toward(V u, __mmask16 up) {
+  const V zero = _mm512_setzero_ps();
+  const __m512i b = _mm512_castps_si512(u), one = _mm512_set1_epi32(1);
+  const __mmask16 pos = _mm512_cmp_ps_mask(u, zero, _CMP_GT_OQ), is_zero = _mm512_cmp_ps_mask(u, zero, _CMP_EQ_OQ);
+  const __mmask16 inc = __mmask16(~(pos ^ up));
+  __m512i r = _mm512_mask_add_epi32(b, inc, b, one);
+  r = _mm512_mask_sub_epi32(r, __mmask16(~inc), b, one);
+  const __m512i tiny = _mm512_mask_blend_epi32(up, _mm512_set1_epi32(int32_t(0x80000001u)), one);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_zero, r, tiny));
+}
+
+// optim8::update_to lane by lane
+inline V update_to(V p, V next) {
+  V u = _mm512_sub_ps(next, p);
+  for (int i = 0; i < 2; ++i) {
+    const V r = _mm512_add_ps(p, u);
+    const __mmask16 done = _mm512_cmp_ps_mask(r, next, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q);
+    if (done == 0xffff) break;
+    const __mmask16 up = _mm512_cmp_ps_mask(r, next, _CMP_LT_OQ);
+    u = _mm512_mask_blend_ps(__mmask16(~done), u, next_toward(u, up));
+  }
+  return u;
+}
+
 inline V sign16(V u) {
   const V zero = _mm512_setzero_ps();
   const __mmask16 pos = _mm512_cmp_ps_mask(u, zero, _CMP_GT_OQ), neg = _mm512_cmp_ps_mask(u, zero, _CMP_LT_OQ);
@@ -148,6 +184,9 @@ int64_t blocks(const Optim8Call& c, int64_t b0, int64_t b1) {
     }
     if (nonfinite) {
       ++skipped;
+      if (p.update)
+        for (int j = 0; j < nv; ++j)
+          _mm512_mask_storeu_ps(p.update + start + j * 16, lanes(len - j * 16), _mm512_setzero_ps());
       continue;
     }
     const float a1 = p.absmax1[b], a2 = kTwo ? p.absmax2[b] : 0.0f;
@@ -158,8 +197,12 @@ int64_t blocks(const Optim8Call& c, int64_t b0, int64_t b1) {
       V w = load16(param + i, mk);
       V mm = decode16(p.state1 + i, mk, c.book1, a1);
       V vv = kTwo ? decode16(p.state2 + i, mk, c.book2, a2) : _mm512_setzero_ps();
+      const V before = w;
       update16<K>(k, g[j], w, mm, vv);
-      store16(param + i, mk, w);
+      if (p.update)
+        _mm512_mask_storeu_ps(p.update + i, mk, update_to(before, round_to(param, w)));
+      else
+        store16(param + i, mk, w);
       m[j] = _mm512_maskz_mov_ps(mk, mm);
       amax1 = _mm512_max_ps(_mm512_abs_ps(m[j]), amax1);  // NaN lanes keep amax1
       if (kTwo) {
