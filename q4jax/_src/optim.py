@@ -23,6 +23,7 @@ and state); the count of such blocks in the last step is ``state.skipped_blocks`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -58,7 +59,7 @@ def _empty(dtype) -> jax.Array:
     return jnp.zeros((0,), dtype)
 
 
-def _step_8bit(name, p, g, s1, a1, s2, a2, q1, q2, step, lr_scale, *, lr, b1, b2, eps, wd):
+def _step_8bit(p, g, s1, a1, s2, a2, q1, q2, step, lr_scale, *, name, lr, b1, b2, eps, wd):
     two = name in optim8.TWO_STATE
     ffi.register()
     out = (
@@ -106,6 +107,47 @@ def _update_for(p: jax.Array, new_p: jax.Array) -> jax.Array:
         up, down = jnp.nextafter(u, jnp.float32(jnp.inf)), jnp.nextafter(u, jnp.float32(-jnp.inf))
         u = jnp.where(r == n32, u, jnp.where(r < n32, up, down))
     return u
+
+
+def _leaf_sharding(p, where: str):
+    """(mesh, spec) of a concrete leaf sharded along its first axis, None when the leaf is
+    not sharded (or is a tracer). The 8-bit state follows such a leaf: its codes sharded
+    like it, its absmax along the block axis; every shard must hold whole blocks of 256."""
+    sh = getattr(p, "sharding", None)
+    if not isinstance(sh, jax.sharding.NamedSharding) or all(a is None for a in tuple(sh.spec)):
+        return None
+    spec = tuple(sh.spec)
+    if any(a is not None for a in spec[1:]):
+        raise ValueError(
+            f"{where}: 8-bit optimizer state follows a parameter sharded along its first axis only; "
+            f"got spec {sh.spec} for shape {p.shape}"
+        )
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    shards = math.prod(sh.mesh.shape[a] for a in axes)
+    if p.shape[0] % shards or (p.size // shards) % optim8.BLOCKSIZE:
+        raise ValueError(
+            f"{where}: each of the {shards} shards of a parameter of shape {p.shape} must hold whole blocks "
+            f"of {optim8.BLOCKSIZE} elements (got {p.size / shards:g} elements per shard)"
+        )
+    return sh.mesh, sh.spec
+
+
+def _sharded_step_8bit(mesh, spec, two: bool, *args, **kw):
+    """_step_8bit on each shard (jax.shard_map): blocks never straddle shards, so the step
+    is the unsharded one's; the skipped-block count is summed over the shards."""
+    P = jax.sharding.PartitionSpec
+    axes = spec[0]
+    blocks = P(axes)
+    rep = P()
+    s2, a2 = (spec, blocks) if two else (rep, rep)
+    in_specs = (spec, spec, spec, blocks, s2, a2, rep, rep, rep, rep)
+    out_specs = (spec, spec, blocks, s2, a2, rep)
+
+    def body(*local):
+        out = _step_8bit(*local, **kw)
+        return (*out[:5], jax.lax.psum(out[5], axes))
+
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def _step_32bit(name, p, g, s1, s2, step, lr, b1, b2, eps, wd):
@@ -161,12 +203,30 @@ def _optim8(
     def eight(p) -> bool:
         return p.size >= min_8bit_size
 
+    shardings: dict[int, tuple] = {}  # leaf index -> (mesh, spec), recorded by init_fn
+
     def init_fn(params):
+        leaves = jax.tree.leaves(params)
+        shardings.clear()
+        for i, p in enumerate(leaves):
+            placed = _leaf_sharding(p, f"{name}_8bit parameter {i}") if eight(p) else None
+            if placed is not None:
+                shardings[i] = placed
+        ids = {id(p): i for i, p in enumerate(leaves)}
+
+        def put(p, x, blocks: bool):
+            placed = shardings.get(ids.get(id(p), -1))
+            if placed is None:
+                return x
+            mesh, spec = placed
+            target = jax.sharding.PartitionSpec(spec[0]) if blocks else spec
+            return jax.device_put(x, jax.sharding.NamedSharding(mesh, target))
+
         def s(p):
-            return jnp.zeros(p.shape, jnp.uint8 if eight(p) else jnp.float32)
+            return put(p, jnp.zeros(p.shape, jnp.uint8 if eight(p) else jnp.float32), False)
 
         def a(p):
-            return jnp.zeros((optim8.num_blocks(p.size),) if eight(p) else (0,), jnp.float32)
+            return put(p, jnp.zeros((optim8.num_blocks(p.size),) if eight(p) else (0,), jnp.float32), True)
 
         return Optim8State(
             step=jnp.zeros((), jnp.int32),
@@ -194,10 +254,12 @@ def _optim8(
         skipped = jnp.zeros((), jnp.int32)
         for i, (p, g) in enumerate(zip(leaves, grads, strict=True)):
             if s1[i].dtype == jnp.uint8:
-                u, x1, y1, x2, y2, sk = _step_8bit(
-                    name, p, g, s1[i], a1[i], s2[i], a2[i], state.qmap1, state.qmap2, step, lr_scale,
-                    lr=lr, b1=b1, b2=b2, eps=eps, wd=weight_decay,
-                )  # fmt: skip
+                args = (p, g, s1[i], a1[i], s2[i], a2[i], state.qmap1, state.qmap2, step, lr_scale)
+                kw = dict(name=name, lr=lr, b1=b1, b2=b2, eps=eps, wd=weight_decay)
+                if i in shardings:
+                    u, x1, y1, x2, y2, sk = _sharded_step_8bit(*shardings[i], two, *args, **kw)
+                else:
+                    u, x1, y1, x2, y2, sk = _step_8bit(*args, **kw)
                 skipped = skipped + sk[0]
                 if not two:
                     x2, y2 = s2[i], a2[i]
