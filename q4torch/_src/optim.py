@@ -464,7 +464,7 @@ def _adam_family(name: str, default_wd: float, bits: int | None, paged: bool):
         optim_bits=32,
         args=None,
         min_8bit_size=4096,
-        is_paged=paged,
+        is_paged=False,  # as in bitsandbytes: the Paged* classes are paged whatever it says
         *,
         percentile_clipping=100,
         block_wise=True,
@@ -485,7 +485,7 @@ def _adam_family(name: str, default_wd: float, bits: int | None, paged: bool):
             min_8bit_size,
             percentile_clipping,
             block_wise,
-            is_paged=is_paged,
+            is_paged=paged or is_paged,
         )
 
     return type(name, (Optimizer8bit,), {"__init__": __init__, "__doc__": _doc(name, "adam", bits, paged)})

@@ -210,3 +210,17 @@ def test_bad_state_dicts_are_named(rng):
         wrong_param.load_state_dict(good)
     fresh.load_state_dict(good)  # the good one loads
     _assert_same_state(fresh.state[fresh.param_groups[0]["params"][0]], opt.state[p])
+
+
+@pytest.mark.parametrize("name", [n for n in qoptim.__all__ if n not in ("GlobalOptimManager", "Optimizer8bit")])
+def test_names_arguments_and_defaults_are_bitsandbytes(name):
+    """Every q4torch.optim class exists in bitsandbytes.optim, and takes each of its
+    arguments under the same name with the same default (q4 adds keyword-only ones)."""
+    import inspect
+
+    theirs = inspect.signature(getattr(bnb.optim, name)).parameters
+    ours = inspect.signature(getattr(qoptim, name)).parameters
+    for pname, param in theirs.items():
+        assert pname in ours, (name, pname)
+        assert ours[pname].default == param.default, (name, pname, ours[pname].default, param.default)
+    assert [p for p in ours if p in theirs] == list(theirs), name  # the same positional order
