@@ -1,9 +1,10 @@
 """Replays the fuzz corpus and every saved crash input through the fuzz
 targets' properties, as part of the normal test run (no atheris needed):
 tests/fuzz/corpus/checkpoint/* and tests/fuzz/regressions/checkpoint/*
-through fuzz_checkpoint.check. A crash input that scripts/fuzz.sh saved fails
-here until the bug is fixed. (The C ABI corpus is replayed by
-tests/kernels/test_sizes.py.)"""
+through fuzz_checkpoint.check, the model-folder corpus and regressions
+through fuzz_model_folder.check (transformers and load_quantized). A crash
+input that scripts/fuzz.sh saved fails here until the bug is fixed. (The C
+ABI corpus is replayed by tests/kernels/test_sizes.py.)"""
 
 from __future__ import annotations
 
@@ -50,3 +51,26 @@ def test_seeds_are_valid_checkpoints():
 @pytest.mark.parametrize("path", CHECKPOINT_INPUTS, ids=lambda p: f"{p.parent.parent.name}/{p.name}")
 def test_replay_checkpoint(path):
     fuzz_target("checkpoint").check(path.read_bytes())
+
+
+MODEL_FOLDER_INPUTS = _inputs("model_folder")
+
+
+def test_the_model_folder_seeds_are_there_and_load():
+    """Every seed folder loads through both loaders (a replay of folders that all
+    fail early would pass vacuously)."""
+    target = fuzz_target("model_folder")
+    names = {p.name for p in MODEL_FOLDER_INPUTS}
+    assert {"nf4-nested", "fp4-plain", "int8", "nf4-sharded"} <= names
+    for p in MODEL_FOLDER_INPUTS:
+        if p.parent.parent.name == "corpus":
+            assert target.load(p.read_bytes()) == {"from_pretrained": None, "load_quantized": None}, p.name
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in MODEL_FOLDER_INPUTS if p.parent.parent.name == "regressions"],
+    ids=lambda p: p.name,
+)
+def test_replay_model_folder(path):
+    fuzz_target("model_folder").check(path.read_bytes())
