@@ -152,12 +152,11 @@ inline void quantize_block(const V* x, int64_t len, float amax, const uint8_t* t
   const V inv = _mm512_set1_ps(1.0f / amax), one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
   const V half = _mm512_set1_ps(0.5f), bins = _mm512_set1_ps(65535.0f);
   for (int j = 0; j * 16 < len; ++j) {
-    const V s = _mm512_mul_ps(x[j], inv);
-    V c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(minus_one, s, _CMP_GT_OQ), s, minus_one);
-    c = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, one, _CMP_GT_OQ), c, one);
+    // clamp to [-1, 1]: vmaxps returns its second operand for a NaN s, so NaN becomes -1,
+    // whose bin is 0, the bin blockwise8::bin_of gives NaN
+    const V c = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x[j], inv), minus_one), one);
     const V t = _mm512_mul_ps(_mm512_add_ps(c, one), half);
-    const V y = _mm512_fmadd_ps(bins, t, half);
-    const __m512i bin = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), _mm512_cvttps_epi32(y));
+    const __m512i bin = _mm512_cvttps_epi32(_mm512_fmadd_ps(bins, t, half));
     const __m512i code = _mm512_and_si512(_mm512_i32gather_epi32(bin, table, 1), _mm512_set1_epi32(0xff));
     _mm_mask_storeu_epi8(codes + j * 16, lanes(len - j * 16), _mm512_cvtepi32_epi8(code));
   }
