@@ -149,15 +149,17 @@ inline void quantize_block(const V* x, int64_t len, float amax, const uint8_t* t
     for (int j = 0; j * 16 < len; ++j) _mm_mask_storeu_epi8(codes + j * 16, lanes(len - j * 16), _mm_setzero_si128());
     return;
   }
-  const V inv = _mm512_set1_ps(1.0f / amax), one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
-  const V half = _mm512_set1_ps(0.5f), bins = _mm512_set1_ps(65535.0f);
+  // bin = trunc(fp32(65535 * t + 0.5)) with t = fp32(clamp(s) + 1) * 0.5 (blockwise8::bin_of):
+  // fp32(clamp(s) + 1) == clamp(fp32(s + 1), 0, 2) for every s, and 65535 * t == 32767.5 *
+  // fp32(clamp(s) + 1) exactly, so one fused multiply-add gives the same bin. A NaN s: vmaxps
+  // returns its second operand, 0, so the bin is 0, as bin_of gives.
+  const V inv = _mm512_set1_ps(1.0f / amax), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+  const V half = _mm512_set1_ps(0.5f), scale = _mm512_set1_ps(32767.5f), zero = _mm512_setzero_ps();
   for (int j = 0; j * 16 < len; ++j) {
-    // clamp to [-1, 1]: vmaxps returns its second operand for a NaN s, so NaN becomes -1,
-    // whose bin is 0, the bin blockwise8::bin_of gives NaN
-    const V c = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x[j], inv), minus_one), one);
-    const V t = _mm512_mul_ps(_mm512_add_ps(c, one), half);
-    const __m512i bin = _mm512_cvttps_epi32(_mm512_fmadd_ps(bins, t, half));
-    const __m512i code = _mm512_and_si512(_mm512_i32gather_epi32(bin, table, 1), _mm512_set1_epi32(0xff));
+    const V u = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(_mm512_mul_ps(x[j], inv), one), zero), two);
+    const __m512i bin = _mm512_cvttps_epi32(_mm512_fmadd_ps(scale, u, half));
+    // vpmovdb keeps each gathered dword's low byte: the table entry
+    const __m512i code = _mm512_i32gather_epi32(bin, table, 1);
     _mm_mask_storeu_epi8(codes + j * 16, lanes(len - j * 16), _mm512_cvtepi32_epi8(code));
   }
 }
