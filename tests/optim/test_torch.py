@@ -224,3 +224,15 @@ def test_names_arguments_and_defaults_are_bitsandbytes(name):
         assert pname in ours, (name, pname)
         assert ours[pname].default == param.default, (name, pname, ours[pname].default, param.default)
     assert [p for p in ours if p in theirs] == list(theirs), name  # the same positional order
+
+
+def test_optim_bits_selects_the_state_of_the_generic_classes(rng):
+    for cls, kw in (("Adam", {}), ("AdamW", {}), ("Lion", {}), ("SGD", {"lr": 1e-2, "momentum": 0.9}), ("RMSprop", {})):
+        for bits, dtype in ((8, torch.uint8), (32, torch.float32)):
+            p = torch.nn.Parameter(torch.randn(64, 80))
+            opt = getattr(qoptim, cls)([p], optim_bits=bits, min_8bit_size=0, **kw)
+            p.grad = torch.randn(64, 80)
+            opt.step()
+            assert opt.state[p]["state1"].dtype == dtype, (cls, bits)
+    with pytest.raises(ValueError, match="optim_bits must be 8 or 32, got 4"):
+        qoptim.Adam([torch.nn.Parameter(torch.randn(4))], optim_bits=4)
