@@ -105,7 +105,8 @@ def test_random_sizes_match_oracle_and_stay_in_bounds(n, log_bs, qt, seed):
 def test_code_tables_reject_wrong_sizes():
     buf = (ctypes.c_float * 256)()
     assert _lib().q4_code_table(0, buf, 256) == 1
-    assert _lib().q4_code_table(3, buf, 16) == 1
+    assert _lib().q4_code_table(3, buf, 16) == 1  # 3: the unsigned dynamic map, 256 entries
+    assert _lib().q4_code_table(4, buf, 16) == 1
     assert "table must be" in _lib().q4_last_error().decode()
 
 
@@ -127,7 +128,12 @@ def _header_ops() -> dict[str, list[str]]:
 def test_op_list_matches_the_def_file_and_every_symbol_exists():
     header = _header_ops()
     assert tuple(header) == native.op_names()
-    to_ctypes = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+    to_ctypes = {
+        "int32_t": ctypes.c_int32,
+        "int64_t": ctypes.c_int64,
+        "float": ctypes.c_float,
+        "double": ctypes.c_double,
+    }
     lib = _lib()
     for op, types in header.items():
         fn = getattr(lib, "q4_" + op)
@@ -144,7 +150,7 @@ def test_op_list_matches_the_def_file_and_every_symbol_exists():
     [
         ("gemm(int32_t a", "malformed op entry"),
         ("1bad(int32_t a)", "malformed op entry"),
-        ("gemm(double a)", "parameter type 'double'"),
+        ("gemm(char a)", "parameter type 'char'"),
     ],
 )
 def test_malformed_op_list_is_refused(text, message):
