@@ -16,9 +16,9 @@ Parameters with fewer than ``min_8bit_size`` elements, and optimizers built with
 states updated with PyTorch ops in bitsandbytes' CPU order.
 
 A block whose gradient holds a NaN or an infinity is not updated (parameter and
-8-bit state unchanged: a non-finite gradient never reaches the state); after the
-step, ``step()`` raises FloatingPointError naming each such parameter and its
-block count. (bitsandbytes quantizes the NaN into its state, which then decodes
+8-bit state unchanged: a non-finite gradient never reaches the state; with fp32
+state the whole parameter is left unchanged); after the step, ``step()`` raises
+FloatingPointError naming each such parameter and its block count. (bitsandbytes quantizes the NaN into its state, which then decodes
 as a large negative value at the next step.)
 """
 
@@ -249,7 +249,8 @@ class Optimizer8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One step for every parameter with a gradient. Raises FloatingPointError
-        after the step if a gradient held NaN or inf (those blocks were left unchanged)."""
+        after the step if a gradient held NaN or inf (those blocks, or for fp32 state
+        those parameters, were left unchanged)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -267,10 +268,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                     self.init_state(group, p, gindex, pindex)
                 n = self.update_step(group, p, gindex, pindex)
                 if n:
-                    skipped.append(
-                        f"group {gindex} parameter {pindex} (shape {tuple(p.shape)}): {n} of "
-                        f"{optim8.num_blocks(p.numel())} blocks"
-                    )
+                    what = "all of it (fp32 state)" if n < 0 else f"{n} of {optim8.num_blocks(p.numel())} blocks"
+                    skipped.append(f"group {gindex} parameter {pindex} (shape {tuple(p.shape)}): {what}")
         if skipped:
             raise FloatingPointError(
                 "non-finite gradient (NaN or inf): the blocks of 256 elements holding one were left unchanged "
@@ -307,6 +306,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         beta1, beta2 = float(betas[0]), float(betas[1]) if len(betas) > 1 else 0.0
         gnorm_scale = self._gnorm_scale(state, grad, step, config["percentile_clipping"])
         if state["state1"].dtype == torch.float32:
+            if not bool(torch.isfinite(grad).all()):  # fp32 state: the whole parameter is left unchanged
+                state["step"] = step - 1
+                return -1
             _update_32bit(self.optimizer_name, grad, p, state, beta1, beta2, config, step, gnorm_scale)
             return 0
         two = self._two_states()

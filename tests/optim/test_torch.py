@@ -236,3 +236,16 @@ def test_optim_bits_selects_the_state_of_the_generic_classes(rng):
             assert opt.state[p]["state1"].dtype == dtype, (cls, bits)
     with pytest.raises(ValueError, match="optim_bits must be 8 or 32, got 4"):
         qoptim.Adam([torch.nn.Parameter(torch.randn(4))], optim_bits=4)
+
+
+def test_nonfinite_gradient_leaves_an_fp32_state_parameter_unchanged():
+    small = torch.nn.Parameter(torch.randn(10, 10))  # below min_8bit_size: fp32 state
+    opt = qoptim.AdamW8bit([small])
+    small.grad = torch.randn(10, 10)
+    opt.step()
+    before = small.detach().clone(), opt.state[small]["state1"].clone()
+    small.grad = torch.full((10, 10), float("inf"))
+    with pytest.raises(FloatingPointError, match="shape \\(10, 10\\)\\): all of it \\(fp32 state\\)"):
+        opt.step()
+    assert torch.equal(small, before[0]) and torch.equal(opt.state[small]["state1"], before[1])
+    assert opt.state[small]["step"] == 1
