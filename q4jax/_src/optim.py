@@ -201,7 +201,7 @@ def _optim8(
     two = name in optim8.TWO_STATE
 
     def eight(p) -> bool:
-        return p.size >= min_8bit_size
+        return p.size >= max(1, min_8bit_size)
 
     shardings: dict[int, tuple] = {}  # leaf index -> (mesh, spec), recorded by init_fn
 

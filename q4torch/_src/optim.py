@@ -199,7 +199,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         config = self.get_config(gindex, pindex, group)
         if config["optim_bits"] not in (8, 32):
             raise ValueError(f"optim_bits must be 8 or 32, got {config['optim_bits']!r}")
-        eight = config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+        eight = config["optim_bits"] == 8 and p.numel() >= max(1, config["min_8bit_size"])
         state = self.state[p]
         state["step"] = 0
         names = ("1", "2") if self._two_states() else ("1",)

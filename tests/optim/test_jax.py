@@ -71,3 +71,11 @@ def test_schedule_and_bad_arguments(rng):
         joptim.sgd_8bit(1e-2, momentum=0)
     with pytest.raises(ValueError, match="needs params"):
         tx.update({"w": jnp.ones(4096)}, state)
+
+
+def test_empty_leaves_take_fp32_state():
+    tx = joptim.adamw_8bit(min_8bit_size=0)
+    params = {"e": jnp.zeros((0, 4)), "w": jnp.ones(300)}
+    state = tx.init(params)
+    _, state = tx.update(params, state, params)
+    assert state.state1["e"].dtype == jnp.float32 and state.state1["w"].dtype == jnp.uint8

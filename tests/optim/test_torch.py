@@ -249,3 +249,11 @@ def test_nonfinite_gradient_leaves_an_fp32_state_parameter_unchanged():
         opt.step()
     assert torch.equal(small, before[0]) and torch.equal(opt.state[small]["state1"], before[1])
     assert opt.state[small]["step"] == 1
+
+
+def test_empty_parameters_take_fp32_state_and_step():
+    e = torch.nn.Parameter(torch.zeros(0, 16))
+    opt = qoptim.AdamW8bit([e], min_8bit_size=0)
+    e.grad = torch.zeros(0, 16)
+    opt.step()
+    assert opt.state[e]["state1"].dtype == torch.float32 and opt.state[e]["state1"].shape == (0, 16)
