@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-__all__ = ["release", "release_pages", "trim"]
+__all__ = ["is_mapped", "release", "release_pages", "trim"]
 
 _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
@@ -118,6 +118,14 @@ def trim() -> None:
     transient copies, freed, otherwise stay resident in the heap for the process's life."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
+
+
+def is_mapped(array) -> bool:
+    """Whether ``array`` is a view of a memory-mapped file (np.memmap, Reader.view)."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, mmap.mmap)
 
 
 def release_pages(array: np.ndarray) -> int:

@@ -27,6 +27,7 @@ from q4jax._src.model import (
     set_child,
 )
 from q4jax._src.projection import _Projection
+from q4jax._src.quant import QuantState
 
 logger = logging.getLogger("q4jax")
 
@@ -114,10 +115,28 @@ def load_state_dict(module: nnx.Module, d: dict[str, Any], *, strict: bool = Tru
             errs.append(f"unexpected keys {unexpected}")
     if errs:
         raise ValueError("load_state_dict: " + "; ".join(errs))
-    for plan in plans:
+    # each plan dropped once it ran: the arrays it holds (and the layer's old ones) go as
+    # the layer takes its new ones
+    for i, plan in enumerate(plans):
+        plans[i] = None
         if plan is not None:
             plan()
     return module
+
+
+def _abstract(layer) -> bool:
+    return any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(layer)))
+
+
+def _make_abstract(layer) -> None:
+    """Every array of ``layer``'s state replaced by its shape and dtype (as nnx.eval_shape
+    builds it)."""
+    for _, var in nnx.to_flat_state(nnx.state(layer)):
+        value = var.get_value()
+        if isinstance(value, jax.Array):
+            var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=getattr(value, "sharding", None)))
+        elif isinstance(value, QuantState):
+            var.set_value(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), value))
 
 
 def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> dict[str, np.ndarray]:
@@ -165,7 +184,13 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
         if kind is None:
             continue  # already quantized: load_state_dict takes the checkpoint's format
         if id(child) not in replaced:
-            replaced[id(child)] = quantized_layer(child, kind, LayerSettings(quant_type, blocksize, nested), name)
+            new = quantized_layer(child, kind, LayerSettings(quant_type, blocksize, nested), name)
+            if _abstract(child):
+                # a model built under nnx.eval_shape: the layer was quantized from zeros, a
+                # placeholder the load replaces; held as shapes until then, so a load never
+                # holds the placeholders and the checkpoint's bytes at once
+                _make_abstract(new)
+            replaced[id(child)] = new
         set_child(parent, key, replaced[id(child)])
     mine: set[str] = set()  # each layer's weight entries and bias (a StableEmbedding's norm)
     for prefix, layer in _layers(module):

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from q4 import checkpoint as q4_checkpoint
-from q4._src import formats
+from q4._src import formats, pages
 from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
 from q4._src.quant_state import QuantState as NpQuantState
 from q4jax._src import ffi
@@ -86,8 +86,16 @@ def _host_copy(a) -> np.ndarray:
 
 
 def _device_copy(a, dtype=None) -> jax.Array:
-    a = np.array(a, dtype=dtype, copy=True)
-    return jnp.asarray(a)
+    """A jax array of ``a``'s values that never aliases ``a`` (a fresh host copy, which the
+    array may take over). Where ``a`` is a view of a mapped file
+    (``load_checkpoint(mapped=True)``), its pages go back to the system once copied
+    (q4/_src/pages.py), so a load never holds the file's pages and the arrays at once."""
+    host = np.array(a, dtype=dtype, copy=True)
+    out = jnp.asarray(host)
+    if isinstance(a, np.ndarray) and pages.is_mapped(a):
+        pages.release_pages(a)  # copied above, synchronously
+        pages.trim()
+    return out
 
 
 def out_sharded(y: jax.Array, out_sharding) -> jax.Array:
