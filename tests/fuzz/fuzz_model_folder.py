@@ -15,7 +15,8 @@ loads or raises an exception with a message; while config.json is one of the
 seeds' (only the index and the shards are mutated), the exception must not be
 one that names nothing (IndexError, AttributeError, NotImplementedError,
 ZeroDivisionError, AssertionError, NameError: the kinds earlier findings
-showed). A folder that loads must compute: a forward on a fixed batch runs
+showed). A config asking for a dimension past 4096 is not loaded (building
+such a model takes longer than the time bound). A folder that loads must compute: a forward on a fixed batch runs
 and, where both loaders loaded it, the two models hold the same quantized
 bytes and give identical outputs (a wrong answer otherwise). No crash, no
 hang (scripts/fuzz.sh bounds each input).
@@ -172,6 +173,17 @@ def _setup() -> dict:
     return _STATE
 
 
+def _too_big(config: bytes | None) -> bool:
+    """Whether a config asks for a model too large to build within the time
+    bound (a dimension past 4096): such folders are not loaded."""
+    try:
+        doc = json.loads(config or b"{}")
+    except (ValueError, RecursionError):
+        return False
+    values = doc.values() if isinstance(doc, dict) else ()
+    return any(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > 4096 for v in values)
+
+
 def _seed_inputs() -> list[bytes]:
     return [p.read_bytes() for p in sorted(CORPUS.glob("*")) if p.is_file()] if CORPUS.is_dir() else []
 
@@ -187,14 +199,30 @@ def _q4_state(model) -> dict:
     return out
 
 
-def _route(load, strict: bool, what: str):
-    """load() -> (model, None) or (None, exception); an escaped exception of a
-    kind that names nothing (strict: the folder's config is a seed's) fails."""
+def _in_q4(e: BaseException) -> bool:
+    """Whether the exception passed through q4's code (q4/, q4torch/)."""
+    tb = e.__traceback__
+    while tb is not None:
+        parts = Path(tb.tb_frame.f_code.co_filename).parts
+        if "q4" in parts or "q4torch" in parts:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _route(load, strict: bool, what: str, all_q4: bool):
+    """load() -> (model, None) or (None, exception). With ``strict`` (the
+    folder's config is a seed's) an exception of a kind that names nothing
+    fails where q4 is involved: raised through q4's code, anywhere in a route
+    that is all q4's (``all_q4``), or a torch kernel missing for a dtype
+    (NotImplementedError: a q4 layer initialised as a float one). transformers'
+    own parsing of a mutated index (its hub code) is not q4's to name."""
     try:
         return load(), None
     except Exception as e:  # noqa: BLE001 (the property classifies it)
         assert str(e).strip(), f"{what}: {type(e).__name__} without a message"
-        if strict and isinstance(e, _UNNAMED):
+        ours = all_q4 or _in_q4(e) or isinstance(e, NotImplementedError)
+        if strict and isinstance(e, _UNNAMED) and ours:
             raise AssertionError(f"{what}: {type(e).__name__} names nothing: {e}") from e
         return None, e
 
@@ -219,10 +247,12 @@ def load(data: bytes) -> dict:
     for name, content in files.items():
         (folder / name).write_bytes(content)
     strict = files.get("config.json") in state["configs"]
+    if _too_big(files.get("config.json")):
+        return {"from_pretrained": None, "load_quantized": None}  # (a huge model is slow to build, not wrong)
 
-    hf_model, hf_error = _route(lambda: AutoModel.from_pretrained(folder).eval(), strict, "from_pretrained")
+    hf_model, hf_error = _route(lambda: AutoModel.from_pretrained(folder).eval(), strict, "from_pretrained", False)
     q4_model, q4_error = _route(
-        lambda: q4torch.load_quantized(copy.deepcopy(state["float_model"]), folder), strict, "load_quantized"
+        lambda: q4torch.load_quantized(copy.deepcopy(state["float_model"]), folder), strict, "load_quantized", True
     )
     outputs = {}
     for what, model in (("from_pretrained", hf_model), ("load_quantized", q4_model)):
