@@ -4,7 +4,7 @@
 #
 #   scripts/fuzz.sh [TARGET.py ...]      (default: every tests/fuzz/fuzz_*.py)
 #
-# Each target fuzz_NAME.py runs for Q4_FUZZ_SECONDS (default 20) with
+# Each target fuzz_NAME.py runs for Q4_FUZZ_SECONDS (default 15) with
 # libFuzzer's -seed=Q4_FUZZ_SEED (default 1), starting from
 # tests/fuzz/corpus/NAME/ and tests/fuzz/regressions/NAME/ (both read only:
 # new corpus units go to a scratch directory that is removed afterwards).
@@ -40,7 +40,7 @@ die() {
 }
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
-seconds=${Q4_FUZZ_SECONDS:-20}
+seconds=${Q4_FUZZ_SECONDS:-15}
 seed=${Q4_FUZZ_SEED:-1}
 per_input=${Q4_FUZZ_TIMEOUT:-20}
 [[ $seconds =~ ^[0-9]+$ && $seconds -gt 0 ]] || die "Q4_FUZZ_SECONDS must be a positive integer, got '$seconds'"

@@ -14,7 +14,8 @@
 #   - every C ABI entry point and each ISA level's kernels (tests/kernels, but
 #     the AMX split / gradient variants whose scalar and AVX-512 twins run),
 #     the numpy oracle comparisons (tests/q4_reference);
-#   - the torch custom ops, layers and their OpenMP executor; every XLA FFI
+#   - the torch custom ops, layers and their OpenMP executor (not under
+#     torch.compile: its tracing is slow under ASan and calls the same ops); every XLA FFI
 #     handler, batched (vmap, nnx.scan) included, and one test of each Flax
 #     projection form;
 #   - a representative test of each integration: transformers (a q4 quantize
@@ -50,6 +51,7 @@ tests=(
   tests/torch/test_linear4bit.py
   tests/torch/test_linear8bit.py
   --deselect tests/torch/test_linear8bit.py::test_compile_fullgraph
+  --deselect tests/torch/test_linear4bit.py::test_compile_fullgraph_inference_and_training
   tests/torch/test_hardening.py
   # JAX: every FFI handler, batched; the Flax projection forms (einsum, general, heads)
   tests/jax/test_functional.py
@@ -76,6 +78,7 @@ tests=(
   tests/cli/test_cli.py::test_user_mistakes_are_one_line_and_leave_nothing
   tests/cli/test_folder_safety.py
   tests/parity/test_checkpoint.py
+  --deselect tests/parity/test_checkpoint.py::test_torch_to_file_to_jax_to_file_to_torch
   tests/parity/test_same_bytes.py
   "tests/parity/test_load_quantized.py::test_both_frameworks_load_a_quantized_file[nf4-64-nested]"
   tests/fuzz/test_fuzz_regressions.py
