@@ -149,12 +149,9 @@ def _setup() -> dict:
         sys.modules.setdefault("bitsandbytes", None)  # type: ignore[arg-type]  # q4 serves bitsandbytes' configs
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
-        import transformers
 
         import q4torch.hf  # noqa: F401  (registers q4 with transformers)
 
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
         torch.manual_seed(0)
         base = os.environ.get("Q4_FUZZ_SCRATCH") or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
         root = Path(tempfile.mkdtemp(prefix="q4-fuzz-folder-", dir=base))
@@ -334,6 +331,11 @@ def main() -> None:
         import q4._src.checkpoint  # noqa: F401
         import q4torch._src.hf  # noqa: F401
         import q4torch._src.replace  # noqa: F401
+    import transformers
+
+    # (the campaign only: a test process replaying the corpus keeps transformers' logging as it was)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     _setup()
     argv = list(sys.argv)
     if not any(a.startswith("-max_len=") for a in argv):
