@@ -363,6 +363,7 @@ def quantized_layer(
         w = np.swapaxes(kernel, -1, -2)[..., None, :, :]  # [*lead, 1, out, in]
     else:
         w = matrix_of(kernel, _split_of(child, kind), lead)  # [*lead, S, out, in]
+    _check_finite(w, settings, name)
     stack = kernel.shape[:lead]
     bias = None if child.bias is None else concrete(child.bias.get_value())
     flat = w.reshape(-1, *w.shape[-3:])
@@ -419,6 +420,23 @@ def keep_subclass(child, new, flax_cls: type):
 
 
 _SUFFIX = {"Linear4bit": "4bit", "Linear8bit": "8bit", "Embedding4bit": "4bit", "Embedding8bit": "8bit"}
+
+
+def _check_finite(w: np.ndarray, settings: LayerSettings, name: str) -> None:
+    """Nested statistics of a weight holding NaN or Inf would decode every block of the
+    layer to NaN (the on-device quantizer cannot raise on data): refused here, naming the
+    layer and the blocks (q4's host quantizers say the same)."""
+    if settings.quant_type == "int8" or not settings.compress_statistics:
+        return
+    flat = np.asarray(w, np.float32).reshape(-1)
+    if np.isfinite(flat).all():
+        return
+    bs = settings.blocksize
+    absmax = np.abs(np.pad(flat, (0, -flat.size % bs))).reshape(-1, bs).max(axis=1)
+    try:
+        quantizers.check_nested_absmax(absmax, bs)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _matrix_layer(w: np.ndarray, dtype, settings: LayerSettings, bias, method: str, hessian, damp: float):

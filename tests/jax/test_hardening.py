@@ -112,3 +112,28 @@ def test_valid_state_still_matches_the_dequantized_product(rng):
     got = np.asarray(q4jax.matmul_4bit(x, packed, state), np.float64)
     bound = 40 * np.finfo(np.float32).eps * (np.abs(np.asarray(x)) @ np.abs(np.asarray(w)).T)
     assert np.all(np.abs(got - want) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_quantize_model_refuses_a_non_finite_weight_with_nested_statistics(value):
+    """The on-device quantizer cannot raise on data: without this check a NaN / Inf weight
+    gives a non-finite nested offset and every block of the layer decodes to NaN."""
+    from flax import nnx
+
+    class Two(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(32, 16, rngs=nnx.Rngs(1))
+
+    def with_bad_weight():
+        model = Two()
+        k = np.array(model.b.kernel.get_value())
+        k[3, 5] = value
+        model.b.kernel.set_value(jnp.asarray(k))
+        return model
+
+    with pytest.raises(ValueError, match=r"^b: the weight holds NaN or Inf \(in 1 of 8 blocks of 64"):
+        q4jax.quantize_model(with_bad_weight(), "nf4")
+    # without nested statistics only the bad block's own scale is non-finite: allowed
+    plain = q4jax.quantize_model(with_bad_weight(), "nf4", compress_statistics=False)
+    assert type(plain.b).__name__ == "Linear4bit"
