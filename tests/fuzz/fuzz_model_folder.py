@@ -202,12 +202,21 @@ def _q4_state(model) -> dict:
     return out
 
 
+def _q4_dirs() -> tuple[str, ...]:
+    """The directories of q4's own packages (q4/, q4torch/), as imported: a checkout's
+    path may hold a folder named q4 above everything (the virtualenv included)."""
+    import q4
+    import q4torch
+
+    return tuple(str(Path(m.__file__).resolve().parent) + os.sep for m in (q4, q4torch))
+
+
 def _in_q4(e: BaseException) -> bool:
     """Whether the exception passed through q4's code (q4/, q4torch/)."""
+    dirs = _q4_dirs()
     tb = e.__traceback__
     while tb is not None:
-        parts = Path(tb.tb_frame.f_code.co_filename).parts
-        if "q4" in parts or "q4torch" in parts:
+        if str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(dirs):
             return True
         tb = tb.tb_next
     return False
