@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <string>
 
+#include "bin_thresholds.cuh"
 #include "common.cuh"
 #include "q4/blockwise8.h"
 #include "q4/dynamic8.h"
@@ -44,31 +45,6 @@ __device__ void load_code_book(float* book, const float* code) {
   __syncthreads();
 }
 
-// thresholds[j] = T[j] of the threshold form (blockwise8.h), thresholds[255] =
-// kBins; one thread per entry (blockDim.x == 256), the running maximum as a
-// warp scan plus the preceding warps' maxima. A barrier for the CTA.
-__device__ void load_bin_thresholds(int* thresholds, const float* book) {
-  __shared__ int warp_max[kWarpsPerCta];
-  const int j = threadIdx.x, lane = j & 31, warp = j >> 5;
-  int t = j < blockwise8::kCodes - 1 ? blockwise8::first_bin_above(blockwise8::midpoint(book, j)) : blockwise8::kBins;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(kFullMask, t, o);
-    if (lane >= o) t = max(t, v);
-  }
-  if (lane == 31) warp_max[warp] = t;
-  __syncthreads();
-  for (int w = 0; w < warp; ++w) t = max(t, warp_max[w]);
-  thresholds[j] = t;
-  __syncthreads();
-}
-
-// Code of bin k: the number of thresholds <= k (thresholds[255] = kBins > k).
-__device__ __forceinline__ int code_of_bin(const int* thresholds, int k) {
-  int lo = 0;
-  for (int step = 128; step >= 1; step >>= 1) lo += (thresholds[lo + step - 1] <= k) ? step : 0;
-  return lo;
-}
-
 // One warp per quantization block (warp-uniform loop, so every lane joins the
 // shuffles). offset != nullptr: quantize fp32(x - *offset) (nested absmax).
 template <typename T>
@@ -78,7 +54,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   __shared__ float book[dynamic8::kCodes];
   __shared__ int thresholds[blockwise8::kCodes];
   load_code_book(book, code);
-  load_bin_thresholds(thresholds, book);
+  bin_thresholds(thresholds, book);
   const bool centre = offset != nullptr;
   const float off = centre ? *offset : 0.0f;
   const int lane = threadIdx.x & 31;

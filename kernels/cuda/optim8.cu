@@ -13,6 +13,7 @@
 #include <climits>
 #include <string>
 
+#include "bin_thresholds.cuh"
 #include "common.cuh"
 #include "q4/blockwise8.h"
 #include "q4/kernels.h"
@@ -28,28 +29,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 static_assert(kThreads == optim8::kBlock && kThreads == blockwise8::kCodes, "one thread per element and threshold");
-
-// thresholds[j] = T[j] (blockwise8.h), thresholds[255] = kBins; a CTA barrier.
-__device__ void bin_thresholds(int* thresholds, const float* book) {
-  __shared__ int warp_max[kWarps];
-  const int j = threadIdx.x, lane = j & 31, warp = j >> 5;
-  int t = j < blockwise8::kCodes - 1 ? blockwise8::first_bin_above(blockwise8::midpoint(book, j)) : blockwise8::kBins;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(kFullMask, t, o);
-    if (lane >= o) t = max(t, v);
-  }
-  if (lane == 31) warp_max[warp] = t;
-  __syncthreads();
-  for (int w = 0; w < warp; ++w) t = max(t, warp_max[w]);
-  thresholds[j] = t;
-  __syncthreads();
-}
-
-__device__ __forceinline__ int code_of_bin(const int* thresholds, int k) {
-  int lo = 0;
-  for (int step = 128; step >= 1; step >>= 1) lo += (thresholds[lo + step - 1] <= k) ? step : 0;
-  return lo;
-}
 
 // The largest non-NaN |x| over the CTA (x = 0 for threads past the block's end); a barrier.
 __device__ float block_absmax(float x, float* scratch) {
