@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -358,12 +359,14 @@ def quantized_layer(
         raise ValueError(
             f"{name}: method='gptq' needs an eager calibration pass, which a stacked (nnx.vmap) layer has not"
         )
+    placeholder = isinstance(child.kernel.get_value(), jax.ShapeDtypeStruct)  # (zeros: nothing to check)
     kernel = np.asarray(concrete(child.kernel.get_value()))
     if kind in ("linear", "lora"):
         w = np.swapaxes(kernel, -1, -2)[..., None, :, :]  # [*lead, 1, out, in]
     else:
         w = matrix_of(kernel, _split_of(child, kind), lead)  # [*lead, S, out, in]
-    _check_finite(w, settings, name)
+    if not placeholder:
+        _check_finite(w, settings, name)
     stack = kernel.shape[:lead]
     bias = None if child.bias is None else concrete(child.bias.get_value())
     flat = w.reshape(-1, *w.shape[-3:])
@@ -428,9 +431,9 @@ def _check_finite(w: np.ndarray, settings: LayerSettings, name: str) -> None:
     layer and the blocks (q4's host quantizers say the same)."""
     if settings.quant_type == "int8" or not settings.compress_statistics:
         return
-    flat = np.asarray(w, np.float32).reshape(-1)
-    if np.isfinite(flat).all():
+    if np.isfinite(w).all():  # (in the weight's own dtype: no float32 copy of a large table)
         return
+    flat = np.asarray(w, np.float32).reshape(-1)
     bs = settings.blocksize
     absmax = np.abs(np.pad(flat, (0, -flat.size % bs))).reshape(-1, bs).max(axis=1)
     try:
