@@ -28,14 +28,22 @@ _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
 
 
-def _madvise():
+def _libc():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
-    fn = libc.madvise
+
+
+_LIBC = _libc()
+
+
+def _madvise():
+    fn = getattr(_LIBC, "madvise", None)
+    if fn is None:
+        return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
@@ -99,11 +107,8 @@ def release(address: int, nbytes: int) -> int:
 
 
 def _malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    fn = getattr(_LIBC, "malloc_trim", None)  # glibc only
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int

@@ -14,7 +14,6 @@ import numpy as np
 from flax import nnx
 
 from q4 import checkpoint as q4_checkpoint
-from q4._src import pages
 from q4jax._src.embedding import EMBEDDING_TYPES, Embedding4bit, Embedding8bit, StableEmbedding
 from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
 from q4jax._src.model import (
@@ -197,9 +196,6 @@ def load_quantized(module: nnx.Module, checkpoint, *, strict: bool = True) -> di
         mine.update(q4_checkpoint.layer_keys(checkpoint, prefix[:-1]))
         extra = ("norm.weight", "norm.bias") if isinstance(layer, StableEmbedding) else ("bias",)
         mine.update(prefix + k for k in extra if prefix + k in checkpoint)
+    # (each entry copied from a mapped file hands its pages back as it is copied: _host_copy)
     load_state_dict(module, {k: checkpoint[k] for k in mine}, strict=strict)
-    jax.block_until_ready(nnx.state(module))  # the copies are made asynchronously
-    for k in mine:  # a mapped file's pages, copied now, back to the system (q4/_src/pages.py)
-        pages.release_pages(checkpoint[k])
-    pages.trim()
     return {k: v for k, v in checkpoint.items() if k not in mine}

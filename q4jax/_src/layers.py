@@ -80,22 +80,22 @@ def _features(value, what: str) -> int:
     return int(value)
 
 
-def _host_copy(a) -> np.ndarray:
-    """A numpy copy the caller cannot reach (jnp.asarray may alias numpy memory on CPU)."""
-    return np.array(a, copy=True)
+def _host_copy(a, dtype=None) -> np.ndarray:
+    """A numpy copy the caller cannot reach (jnp.asarray may alias numpy memory on CPU).
+    Where ``a`` is a view of a mapped file (``load_checkpoint(mapped=True)``), its pages
+    go back to the system once copied (q4/_src/pages.py), so a load never holds the
+    file's pages and the arrays at once."""
+    out = np.array(a, dtype=dtype, copy=True)
+    if isinstance(a, np.ndarray) and pages.is_mapped(a):
+        pages.release_pages(a)
+        pages.trim()
+    return out
 
 
 def _device_copy(a, dtype=None) -> jax.Array:
     """A jax array of ``a``'s values that never aliases ``a`` (a fresh host copy, which the
-    array may take over). Where ``a`` is a view of a mapped file
-    (``load_checkpoint(mapped=True)``), its pages go back to the system once copied
-    (q4/_src/pages.py), so a load never holds the file's pages and the arrays at once."""
-    host = np.array(a, dtype=dtype, copy=True)
-    out = jnp.asarray(host)
-    if isinstance(a, np.ndarray) and pages.is_mapped(a):
-        pages.release_pages(a)  # copied above, synchronously
-        pages.trim()
-    return out
+    array may take over)."""
+    return jnp.asarray(_host_copy(a, dtype))
 
 
 def out_sharded(y: jax.Array, out_sharding) -> jax.Array:
