@@ -5,6 +5,9 @@ each contestant in a process of its own, run one after the other:
   q4torch+head   the same with Q4Config(quantize_head=True): the tied head in NF4 too
   q4torch+head+compile   the same, its decode step compiled (torch.compile(fullgraph=True),
             StaticCache; the compile time is reported apart)
+  q4torch+head+w4a8   q4torch+head with Q4Config(activation_quant="int8"): W4A8, the inputs
+            quantized to int8 per block as llama.cpp's Q4_0 path does (opt-in, ~1e-2 relative
+            error; README "W4A8")
   q4jax     examples/llm/flax_llama.py over the same NF4 bytes, bf16, jitted decode step
   q4jax+head     the same over the quantize_head folder
   bnb       transformers + BitsAndBytesConfig(nf4, bf16), eval + inference_mode (its fused CPU path)
@@ -47,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 CONTESTANTS = (
-    "q4torch", "q4torch+head", "q4torch+head+compile", "q4jax", "q4jax+head", "bnb", "bf16", "torchao",
+    "q4torch", "q4torch+head", "q4torch+head+compile", "q4torch+head+w4a8", "q4jax", "q4jax+head", "bnb", "bf16", "torchao",
     "llamacpp-q4_0", "llamacpp-q4_k_m",
 )  # fmt: skip
 TORCHAO = "torchao==0.18.0"
@@ -156,7 +159,12 @@ def _torch_run(kind: str, folder: Path, args) -> dict:
     if kind.startswith("q4torch"):
         import q4torch.hf
 
-        qc = q4torch.hf.Q4Config("nf4", compute_dtype=torch.bfloat16, quantize_head="+head" in kind)
+        qc = q4torch.hf.Q4Config(
+            "nf4",
+            compute_dtype=torch.bfloat16,
+            quantize_head="+head" in kind,
+            activation_quant="int8" if kind.endswith("+w4a8") else None,
+        )
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, quantization_config=qc)
     elif kind == "bnb":
         qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
@@ -361,7 +369,7 @@ def _llamacpp_run(kind: str, folder: Path, args) -> dict:
 
 
 def child(name: str, folder: Path, args) -> dict:
-    if name in ("q4torch", "q4torch+head", "q4torch+head+compile", "bnb", "bf16", "torchao"):
+    if name in ("q4torch", "q4torch+head", "q4torch+head+compile", "q4torch+head+w4a8", "bnb", "bf16", "torchao"):
         return _torch_run(name, folder, args)
     if name in ("q4jax", "q4jax+head"):
         return _jax_run(folder / ("q4-nf4-head" if name.endswith("+head") else "q4-nf4"), args)
@@ -483,14 +491,19 @@ def main(argv=None) -> int:
     )  # fmt: skip
     for what, n in floor_bytes.items():
         print(f"decode floor, {what}: {n / 1e6:.0f} MB a token / {bw / 1e9:.1f} GB/s = {n / bw * 1e3:.1f} ms")
-    base = results.get("llamacpp-q4_0", {})
-    for name, r in results.items():
-        if "error" in r or not base.get("decode_b1_tok_s") or name.startswith("llamacpp"):
-            continue
-        print(
-            f"{name} / llama.cpp Q4_0: decode b1 {r['decode_b1_tok_s'] / base['decode_b1_tok_s']:.2f}x, "
-            f"prefill {r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x"
-        )
+    for peer, label, keys in (
+        ("llamacpp-q4_0", "llama.cpp Q4_0", ("decode_b1_tok_s", "prefill_tok_s")),
+        ("bnb", "bitsandbytes", ("decode_b1_tok_s", "decode_b8_tok_s", "prefill_tok_s")),
+    ):
+        base = results.get(peer, {})
+        for name, r in results.items():
+            if "error" in r or "error" in base or not base.get("decode_b1_tok_s") or name in (peer, "bnb"):
+                continue
+            if name.startswith("llamacpp"):
+                continue
+            ratios = [f"{key.replace('_tok_s', '').replace('_', ' ')} {r[key] / base[key]:.2f}x"
+                      for key in keys if r.get(key) and base.get(key)]  # fmt: skip
+            print(f"{name} / {label}: {', '.join(ratios)}")
     path = write_json(f"llm-{args.size}", {**head, "args": vars(args), "floor_bytes": floor_bytes, "results": results})
     print(f"\nwrote {path}")
     return 0

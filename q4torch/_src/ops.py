@@ -346,12 +346,47 @@ def gemm_4bit(
     return _gemm(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias, None)
 
 
+# Validated weight arguments of the op body, by what they are a function of:
+# the pointers, sizes, dtypes and layouts of the packed bytes and scales and the
+# op's integer arguments. An entry is exactly what weight_args would return for
+# tensors with that key (pointers and sizes are all it holds), so a freed
+# weight whose memory a new one reuses finds the new one's arguments; the
+# nested offset's value is read on every call. Bounded: a compiled decoder's
+# layers hit it on every token, a process that makes weights endlessly does not
+# grow it. (The eager layers keep theirs per QuantState: functional._PREPARED.)
+_WEIGHT_ARGS: dict[tuple, tuple] = {}
+_WEIGHT_ARGS_MAX = 4096
+
+
+def _in_place_key(t: torch.Tensor) -> tuple | None:
+    """What a tensor contributes to a _WEIGHT_ARGS key, or None where the
+    arguments must not be kept: a non-contiguous tensor is read through a
+    copy, whose pointer dies with the call."""
+    return (t.data_ptr(), t.numel(), t.dtype, t.device) if t.is_contiguous() else None
+
+
 def _gemm(x, packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type, bias, activation_quant):
     """The body of q4::gemm_4bit and q4::gemm_4bit_w4a8 (activation_quant='int8')."""
-    packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
-    nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
-    scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
-    return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias, activation_quant)
+    nested = nested_absmax is not None
+    parts = (packed, absmax, nested_absmax) if nested else (packed, absmax)
+    key: tuple | None = (n, k, blocksize, quant_type, None if nested_offset is None else nested_offset.numel())
+    for t in parts:
+        part = _in_place_key(t)
+        key = None if part is None or key is None else key + part
+    hit = None if key is None else _WEIGHT_ARGS.get(key)
+    if hit is None:
+        packed, absmax = packed.contiguous().reshape(-1), absmax.contiguous()
+        nested_absmax = None if nested_absmax is None else nested_absmax.contiguous()
+        scales = weight_args(packed, absmax, nested_absmax, nested_offset, n, k, blocksize, quant_type)
+        hit = (packed.data_ptr(), scales)
+        if key is not None:
+            if len(_WEIGHT_ARGS) >= _WEIGHT_ARGS_MAX:
+                _WEIGHT_ARGS.clear()
+            _WEIGHT_ARGS[key] = hit
+    elif nested:  # the offset's current value (weight_args checked its size when the entry was made)
+        scales = hit[1]
+        hit = (hit[0], scales[:5] + (float(nested_offset.reshape(()).item()),) + scales[6:])
+    return gemm_4bit_call(x, hit[0], n, k, hit[1], blocksize, quant_type, bias, activation_quant)
 
 
 def _gemm_fake(x, n, k, blocksize, activation_quant):

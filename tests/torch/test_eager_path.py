@@ -481,3 +481,69 @@ def test_layer_bias_registered_as_a_buffer_is_used(rng, kind):
     else:
         want = torch.ops.q4.int8_linear(x, w.detach(), w.SCB, 0.0, bias)
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------ the op body's argument cache
+
+
+def _op_fresh(x, packed, qs):
+    """The op with its cache of validated weight arguments emptied first."""
+    ops._WEIGHT_ARGS.clear()
+    return _op(x, packed, qs)
+
+
+def test_op_argument_cache_sees_in_place_changes(rng):
+    """The q4::gemm_4bit op (what a compiled model calls) keeps validated
+    weight arguments by pointers and sizes: bytes, scales and the offset
+    changed in place reach the next call, and each result is the one an
+    empty cache gives."""
+    packed, qs = _weight(rng)
+    x = torch.from_numpy(inputs.make(rng, (2, 256), "float32"))
+    other_packed, other = _weight(rng)
+    results = []
+    with torch.no_grad():
+        for change in (
+            lambda: None,
+            lambda: packed.copy_(other_packed),
+            lambda: qs.absmax.copy_(other.absmax),
+            lambda: qs.state2.absmax.mul_(2),
+            lambda: qs.offset.add_(0.25),
+        ):
+            change()
+            cached = _op(x, packed, qs)
+            assert len(ops._WEIGHT_ARGS) >= 1
+            assert torch.equal(cached, _op_fresh(x, packed, qs))
+            results.append(cached)
+    for a, b in zip(results, results[1:], strict=False):
+        assert not torch.equal(a, b)
+
+
+def test_op_argument_cache_serves_a_new_weight_at_a_freed_address(rng):
+    """A weight freed and another made in its memory (same sizes) gets the
+    new weight's result: an entry holds pointers and sizes, nothing else."""
+    x = torch.from_numpy(inputs.make(rng, (1, 256), "float32"))
+    for _ in range(4):
+        packed, qs = _weight(rng)
+        got = _op(x, packed, qs)
+        assert torch.equal(got, _op_fresh(x, packed, qs))
+        del packed, qs
+
+
+def test_op_argument_cache_keeps_no_copy_and_still_refuses(rng):
+    """Scales read through a contiguous copy are never kept (the copy's
+    pointer dies with the call), and a bad offset after a good call is refused
+    with a clear error, not read from the cache."""
+    packed, qs = _weight(rng, nested=False)
+    x = torch.from_numpy(inputs.make(rng, (1, 256), "float32"))
+    strided = torch.stack([qs.absmax, qs.absmax], 1)[:, 0]
+    assert not strided.is_contiguous()
+    ops._WEIGHT_ARGS.clear()
+    got = torch.ops.q4.gemm_4bit(x, packed.reshape(-1), strided, None, None, 64, 256, 64, "nf4", None)
+    assert len(ops._WEIGHT_ARGS) == 0
+    assert torch.equal(got, _op_fresh(x, packed, qs))
+    packed, qs = _weight(rng)
+    _op(x, packed, qs)
+    operands = list(F._weight_operands(packed.reshape(-1), qs))
+    operands[3] = torch.zeros(2)
+    with pytest.raises(ValueError, match="one-element nested_offset"):
+        torch.ops.q4.gemm_4bit(x, *operands, None)
