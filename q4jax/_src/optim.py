@@ -328,3 +328,20 @@ def sgd_8bit(
     if momentum == 0:
         raise ValueError("sgd_8bit needs momentum > 0 (bitsandbytes' SGD without momentum is not supported)")
     return _optim8("momentum", learning_rate, momentum, 0.0, 0.0, weight_decay, min_8bit_size)
+
+
+def rmsprop_8bit(
+    learning_rate: ScalarOrSchedule = 1e-2,
+    decay: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    min_8bit_size: int = 4096,
+) -> optax.GradientTransformation:
+    """RMSprop with an 8-bit squared-gradient average: bitsandbytes' RMSprop8bit (``decay``
+    is its ``alpha``, with its default 0.99; optax.rmsprop's default is 0.9). As there,
+    no momentum and no centered variant; weight decay is added to the gradient."""
+    if decay == 0:
+        raise ValueError("rmsprop_8bit needs decay > 0 (bitsandbytes' RMSprop with alpha == 0 is not supported)")
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"rmsprop_8bit: decay must be in (0, 1), got {decay!r}")
+    return _optim8("rmsprop", learning_rate, decay, 0.0, eps, weight_decay, min_8bit_size)

@@ -69,6 +69,10 @@ def test_schedule_and_bad_arguments(rng):
         joptim.adamw_8bit(b1=1.0)
     with pytest.raises(ValueError, match="sgd_8bit needs momentum > 0"):
         joptim.sgd_8bit(1e-2, momentum=0)
+    with pytest.raises(ValueError, match="rmsprop_8bit needs decay > 0"):
+        joptim.rmsprop_8bit(decay=0)
+    with pytest.raises(ValueError, match="decay must be in \\(0, 1\\), got 1.5"):
+        joptim.rmsprop_8bit(decay=1.5)
     with pytest.raises(ValueError, match="needs params"):
         tx.update({"w": jnp.ones(4096)}, state)
 

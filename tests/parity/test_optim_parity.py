@@ -30,6 +30,10 @@ PAIRS = {
         ("SGD8bit", dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
         (joptim.sgd_8bit, dict(learning_rate=1e-2, momentum=0.9, weight_decay=1e-3)),
     ),
+    "rmsprop": (
+        ("RMSprop8bit", dict(lr=1e-2, alpha=0.95, weight_decay=1e-3)),
+        (joptim.rmsprop_8bit, dict(learning_rate=1e-2, decay=0.95, weight_decay=1e-3)),
+    ),
 }
 DTYPES = {"fp32": (torch.float32, jnp.float32, np.float32), "bf16": (torch.bfloat16, jnp.bfloat16, ml_dtypes.bfloat16)}
 
