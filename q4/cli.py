@@ -198,7 +198,7 @@ def cmd_quantize(args) -> int:
 
 
 def _files_of(path) -> list[Path]:
-    from q4._src.convert import input_files
+    from q4._src.container import input_files
 
     return input_files(path)[0]
 
@@ -245,10 +245,10 @@ def cmd_inspect(args) -> int:
 
 
 def _check_folder_config(path: Path, layers: dict[str, dict]) -> None:
-    """A model folder's config.json must describe its quantized layers (checkpoint.check_model_config)."""
+    """A model folder's config.json must describe its quantized layers (schema.check_model_config)."""
     import json
 
-    from q4._src.checkpoint import check_model_config
+    from q4._src.schema import check_model_config
 
     try:
         config = json.loads(path.read_text(encoding="utf-8"))

@@ -68,7 +68,7 @@ class LayerCheck:
 
 
 def _layer_entries(tensors, layer: str) -> dict[str, np.ndarray]:
-    from q4._src.checkpoint import layer_keys
+    from q4._src.schema import layer_keys
 
     keys = layer_keys(tensors, layer) + ([f"{layer}.bias"] if f"{layer}.bias" in tensors else [])
     return {key[len(layer) + 1 :]: np.array(tensors[key]) for key in keys}
@@ -139,7 +139,8 @@ def spec_of(meta: dict) -> Spec:
 def check_file(path, *, batch: int = 4, seed: int = 0, layers=None, progress=None) -> list[LayerCheck]:
     """Check every quantized layer of a checkpoint in q4torch and q4jax (see
     check_layer); ``layers`` restricts the check to these layer names."""
-    from q4._src.checkpoint import Reader, validate
+    from q4._src.container import Reader
+    from q4._src.schema import validate
 
     adapters = [adapter(name) for name in ADAPTER_MODULES]
     with Reader(path) as r:

@@ -53,22 +53,20 @@ from typing import Any, cast
 import numpy as np
 
 from q4._src import formats
-from q4._src.checkpoint import (
-    _DTYPES,
-    _NAMES,
-    CheckpointError,
+from q4._src.atomic import CheckpointError, copy_atomic, write_atomic
+from q4._src.container import (
+    DTYPE_NAMES,
+    DTYPES,
+    INDEX_SUFFIX,
     Reader,
     Writer,
-    _np_dtype,
-    bitsandbytes_quantization_config,
-    copy_atomic,
     header_bound,
-    validate,
+    input_files,
+    np_dtype,
     wide_bytes,
-    write_atomic,
 )
-from q4._src.formats import short_repr
-from q4._src.quant_state import JSON_KEY_PREFIX, QuantState, strict_json_loads
+from q4._src.quant_state import JSON_KEY_PREFIX, QuantState
+from q4._src.schema import bitsandbytes_quantization_config, int8_entries, quant4_entries, validate
 from q4._src.weights import dequantize_weight_4bit, dequantize_weight_int8, quantize_weight_4bit, quantize_weight_int8
 
 TYPES = formats.LAYER_TYPES
@@ -77,7 +75,6 @@ TYPES = formats.LAYER_TYPES
 EMBEDDING_PATTERNS = ("*embed*", "*wte", "*wpe")
 DEFAULT_SKIP = (*EMBEDDING_PATTERNS, "lm_head", "*.lm_head")
 _FLOATS = ("float32", "float16", "bfloat16")
-_INDEX_SUFFIX = ".index.json"
 # float weights in other formats are not copied next to the quantized ones
 _WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".npz"}
 
@@ -149,48 +146,6 @@ class Result:
     warnings: list[str] = dataclasses.field(default_factory=list)  # files of the model directory left out
 
 
-# ------------------------------------------------------------------ inputs
-
-
-def input_files(src) -> tuple[list[Path], Path | None]:
-    """The shard files of a checkpoint and its index file (None if unsharded)."""
-    src = Path(src)
-    if src.is_dir():
-        indexes = sorted(src.glob("*" + _INDEX_SUFFIX))
-        files = sorted(src.glob("*.safetensors"))
-        if len(indexes) == 1:
-            src = indexes[0]
-        elif len(indexes) > 1:
-            raise CheckpointError(f"{src}: several index files ({', '.join(p.name for p in indexes)}); name one")
-        elif len(files) == 1:
-            return files, None
-        else:
-            raise CheckpointError(f"{src}: expected one .safetensors file or an index file, found {len(files)} files")
-    if not src.exists():
-        raise CheckpointError(f"{src}: no such file")
-    if not src.name.endswith(_INDEX_SUFFIX):
-        return [src], None
-    try:
-        index = strict_json_loads(src.read_bytes())
-        if not isinstance(index, dict) or "weight_map" not in index:
-            raise ValueError("no 'weight_map' object")
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError("weight_map must map tensor names to file names")
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{src}: not a safetensors index file ({getattr(e, 'strerror', None) or e})") from e
-    shards = []
-    for name in weight_map.values():
-        if not name or "\x00" in name or Path(name).name != name or name in (".", ".."):
-            raise CheckpointError(f"{src}: shard {short_repr(name)} must be a file name in the index's directory")
-        path = src.parent / name
-        if path not in shards:
-            shards.append(path)
-    if not shards:
-        raise CheckpointError(f"{src}: the index lists no shard files")
-    return shards, src
-
-
 # -------------------------------------------------------------------- plan
 
 
@@ -251,12 +206,12 @@ def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Sha
                 seen[key] = path
                 layer = key[: -len(".weight")]
                 if not key.endswith(".weight") or len(r.shape(key)) != 2:
-                    entries[key] = (_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
+                    entries[key] = (DTYPE_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
                     continue
                 pattern = opts.skipped(layer)
                 if pattern is not None:
                     skipped[layer] = pattern
-                    entries[key] = (_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
+                    entries[key] = (DTYPE_NAMES[r.dtype(key).name], r.shape(key), r.nbytes(key))
                     continue
                 if r.dtype(key).name not in _FLOATS or 0 in r.shape(key):
                     raise CheckpointError(
@@ -284,7 +239,7 @@ def _plan(files: list[Path], outs: list[Path], opts: Options) -> tuple[list[_Sha
             }
             shard.bound = header_bound(entries, meta_bound) + 2
             # (the bytes of every tensor wider than a byte are exact in the plan; only uint8 ones are bounds)
-            shard.wide = wide_bytes((_np_dtype(_DTYPES[d]).itemsize, n) for d, _, n in entries.values())
+            shard.wide = wide_bytes((np_dtype(DTYPES[d]).itemsize, n) for d, _, n in entries.values())
     except BaseException:
         for shard in shards:
             shard.reader.close()
@@ -299,11 +254,11 @@ def _outputs(files: list[Path], index: Path | None, dst: Path) -> tuple[list[Pat
                 f"{dst}: the input has {len(files)} shards; write them to a directory (or an *.index.json path)"
             )
         return [dst], None
-    out_dir = dst.parent if dst.name.endswith(_INDEX_SUFFIX) else dst
+    out_dir = dst.parent if dst.name.endswith(INDEX_SUFFIX) else dst
     outs = [out_dir / f.name for f in files]
     if index is None:
         return outs, None
-    return outs, dst if dst.name.endswith(_INDEX_SUFFIX) else out_dir / index.name
+    return outs, dst if dst.name.endswith(INDEX_SUFFIX) else out_dir / index.name
 
 
 # --------------------------------------------------------------------- run
@@ -323,7 +278,7 @@ def _quantize_tensor(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.n
     prefix = key[: -len("weight")]  # "<layer>."
     if opts.quant_type == "int8":
         cb, scb = quantize_weight_int8(w)
-        out = {prefix + "weight": cb, prefix + "SCB": scb, prefix + "weight_format": np.array(0, np.uint8)}
+        out = int8_entries(cb, scb, prefix=prefix)
         approx = dequantize_weight_int8(cb, scb)
     else:
         hessian = None if opts.hessians is None else opts.hessians.get(prefix[:-1])
@@ -332,7 +287,7 @@ def _quantize_tensor(r: Reader, key: str, opts: Options) -> tuple[dict[str, np.n
         packed, state = quantize_weight_4bit(
             w, opts.blocksize, opts.quant_type, opts.nested, method, hessian=hessian, damp=opts.gptq_damp
         )
-        out = {prefix + "weight": packed, **{f"{prefix}weight.{k}": v for k, v in state.to_dict().items()}}
+        out = quant4_entries(packed, state.to_dict(), prefix=prefix)
         approx = dequantize_weight_4bit(packed, state)
     err = _rel_error(w, approx)
     res = LayerResult(prefix[:-1], w.shape, w.dtype.name, w.nbytes, sum(a.nbytes for a in out.values()), err)

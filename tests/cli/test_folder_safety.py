@@ -177,17 +177,17 @@ def test_a_writer_plan_that_does_not_match_is_an_error(tmp_path):
 
 
 def test_the_config_is_published_before_the_shards(tmp_path, monkeypatch):
-    import q4._src.checkpoint as ck
+    from q4._src import atomic
 
     src, out = _model(tmp_path / "model"), tmp_path / "out"
     events = []
-    real = ck._publish
+    real = atomic.rename_into_place
 
     def recording(tmp, path):
         events.append(Path(path).name)
         real(tmp, path)
 
-    monkeypatch.setattr(ck, "_publish", recording)
+    monkeypatch.setattr(atomic, "rename_into_place", recording)
     assert main(["quantize", str(src), str(out), "--type", "int8"]) == 0
     # a kill after the shards are in never leaves them beside a config without quantization_config
     assert events.index("config.json") < events.index("model.safetensors")
@@ -196,7 +196,7 @@ def test_the_config_is_published_before_the_shards(tmp_path, monkeypatch):
 def test_signals_during_publication_wait_until_it_ends(tmp_path, monkeypatch):
     """SIGTERM (here: to a handler of the test's own) sent while the first
     shard is published arrives after the index is written."""
-    import q4._src.checkpoint as ck
+    from q4._src import atomic
 
     src = tmp_path / "model"
     src.mkdir()
@@ -215,7 +215,7 @@ def test_signals_during_publication_wait_until_it_ends(tmp_path, monkeypatch):
     def stop(signum, frame):
         raise Stopped(index.exists())
 
-    real = ck._publish
+    real = atomic.rename_into_place
 
     def signalled(tmp, path):
         if Path(path).name == "model-1.safetensors":
@@ -224,7 +224,7 @@ def test_signals_during_publication_wait_until_it_ends(tmp_path, monkeypatch):
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        monkeypatch.setattr(ck, "_publish", signalled)
+        monkeypatch.setattr(atomic, "rename_into_place", signalled)
         with pytest.raises(Stopped) as info:
             convert.quantize_checkpoint(src, out, convert.Options())
     finally:

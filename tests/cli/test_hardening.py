@@ -401,7 +401,7 @@ def test_format_checks_accept_their_values():
 
 _TRUNCATE_WHILE_OPEN = """
 import os, sys
-from q4._src import checkpoint
+from q4._src import container as checkpoint
 from q4.cli import main
 
 path, mode = sys.argv[1], sys.argv[2]
@@ -613,19 +613,19 @@ def _sharded(tmp_path: Path) -> Path:
 
 
 def test_sharded_output_publishes_the_index_last(tmp_path, monkeypatch, capsys):
-    import q4._src.checkpoint as ck
+    from q4._src import atomic
 
     src_dir, out = _sharded(tmp_path), tmp_path / "out"
     assert main(["quantize", str(src_dir), str(out)]) == 0  # an old, complete output
     index = out / "model.safetensors.index.json"
     events = []
-    real = ck._publish
+    real = atomic.rename_into_place
 
     def recording(tmp, path):
         events.append((Path(path).name, index.exists()))
         real(tmp, path)
 
-    monkeypatch.setattr(ck, "_publish", recording)
+    monkeypatch.setattr(atomic, "rename_into_place", recording)
     assert main(["quantize", str(src_dir), str(out), "--type", "fp4"]) == 0
     names = [n for n, _ in events]
     assert names[-1] == index.name and sorted(names[:-1]) == sorted(
@@ -642,7 +642,7 @@ def test_sharded_output_publishes_the_index_last(tmp_path, monkeypatch, capsys):
             raise KeyboardInterrupt
         real(tmp, path)
 
-    monkeypatch.setattr(ck, "_publish", dies_on_second_shard)
+    monkeypatch.setattr(atomic, "rename_into_place", dies_on_second_shard)
     assert main(["quantize", str(src_dir), str(out), "--type", "int8"]) == 130
     assert not index.exists()
     assert not [n for n in os.listdir(out) if ".q4tmp-" in n]

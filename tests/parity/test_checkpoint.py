@@ -144,7 +144,7 @@ def test_interrupted_save_keeps_the_old_file(rng, tmp_path, monkeypatch):
     def interrupted(fd):
         raise KeyboardInterrupt("interrupted after writing, before the rename")
 
-    monkeypatch.setattr("q4._src.checkpoint.os.fsync", interrupted)
+    monkeypatch.setattr(os, "fsync", interrupted)  # (the Writer fsyncs before its rename)
     state["extra"] = np.zeros(4, np.float32)
     with pytest.raises(KeyboardInterrupt):
         q4.checkpoint.save_file(state, path)
