@@ -23,35 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-from q4._src.atomic import CheckpointError, remove_stale_temporaries
-from q4._src.container import Reader, Writer, dtype_name, header_bound, input_files, quote, wide_bytes
+# (the `x as x` names: re-exported for q4.checkpoint and the front ends)
+from q4._src.atomic import CheckpointError
+from q4._src.atomic import remove_stale_temporaries as remove_stale_temporaries
+from q4._src.container import Reader, dtype_name, header_bound, input_files, quote, wide_bytes
+from q4._src.container import Writer as Writer
 from q4._src.formats import short_repr
-from q4._src.schema import (
-    bitsandbytes_quantization_config,
-    layer_keys,
-    layers_metadata,
-    parse_weight_format,
-    quantized_groups,
-    validate,
-)
-
-# what q4.checkpoint re-exports, and the schema names front ends import from here
-__all__ = [
-    "CheckpointError",
-    "Reader",
-    "Writer",
-    "bitsandbytes_quantization_config",
-    "inspect_file",
-    "layer_keys",
-    "load_checkpoint",
-    "load_file",
-    "load_metadata",
-    "parse_weight_format",
-    "quantized_groups",
-    "remove_stale_temporaries",
-    "save_file",
-    "validate",
-]
+from q4._src.schema import bitsandbytes_quantization_config as bitsandbytes_quantization_config
+from q4._src.schema import layer_keys, layers_metadata, validate
+from q4._src.schema import parse_weight_format as parse_weight_format
+from q4._src.schema import quantized_groups as quantized_groups
 
 
 def save_file(tensors: dict[str, np.ndarray], path, metadata: dict[str, str] | None = None) -> None:

@@ -30,7 +30,7 @@ _JSON_KEY = ".weight." + JSON_KEY_PREFIX
 # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING (only "row" is supported)
 WEIGHT_FORMATS = {0: "row", 1: "col32", 2: "col_turing", 3: "col_ampere"}
 FORMAT_ROW = 0  # the code of "row", the one int8 layout q4 writes and loads
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # what a float weight may be stored as
 
 
 def _layer_prefixes(tensors: dict[str, np.ndarray]) -> dict[str, str]:
@@ -325,7 +325,7 @@ def plan_4bit_load(
                 f"'{k_w}' has quantization entries {sorted(quant_keys)} but no '{k_w}.{JSON_KEY_PREFIX}<nf4|fp4>'"
             )
             return None
-        if data.dtype.name not in _FLOAT_DTYPES or data.shape != shape:
+        if data.dtype.name not in FLOAT_DTYPES or data.shape != shape:
             errs.append(
                 f"'{k_w}' must be packed 4-bit entries or a float {noun} of shape {shape}, got {data.dtype} {data.shape}"
             )
@@ -388,11 +388,11 @@ def plan_int8_load(
             errs.append(f"missing key '{k_scb}': an int8 '{k_w}' needs its row scales")
             return None
         scb = np.asarray(d[k_scb])
-        if scb.dtype.name not in _FLOAT_DTYPES or scb.shape != (shape[0],):
+        if scb.dtype.name not in FLOAT_DTYPES or scb.shape != (shape[0],):
             errs.append(f"'{k_scb}' must be a float array of shape ({shape[0]},), got {scb.dtype} {scb.shape}")
             return None
         return None if len(errs) > n else (w, scb)
-    if w.dtype.name in _FLOAT_DTYPES:
+    if w.dtype.name in FLOAT_DTYPES:
         if k_scb in d:
             errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
             return None

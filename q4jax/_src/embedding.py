@@ -41,8 +41,7 @@ from flax import nnx
 from flax.nnx.nn.linear import default_embed_init
 
 from q4._src import formats
-from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
-from q4._src.quant_state import QuantState as NpQuantState
+from q4._src.schema import FLOAT_DTYPES, int8_entries, plan_4bit_load, plan_int8_load, quant4_entries
 from q4jax._src import ffi
 from q4jax._src.layers import (
     QuantStateVar,
@@ -50,15 +49,13 @@ from q4jax._src.layers import (
     _device_copy,
     _float_dtype_name,
     _host_copy,
-    check_int8_entries,
     concrete,
+    device_4bit,
     out_sharded,
 )
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import QuantState, check_state, quantize_4bit, quantize_int8_weight
 
-_FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _XAVIER_UNIFORM = nnx.initializers.xavier_uniform()  # StableEmbedding's (bitsandbytes': xavier_uniform_)
 
 
@@ -331,67 +328,23 @@ class Embedding4bit(_Embedding):
     # -- checkpoint entries (keys relative to the layer's prefix)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
-        out = {"weight": _host_copy(self.weight.get_value())}
-        for key, value in self.quant_state.get_value().to_numpy().to_dict().items():
-            out["weight." + key] = _host_copy(value)
-        return out
+        state = self.quant_state.get_value().to_numpy().to_dict()
+        return quant4_entries(_host_copy(self.weight.get_value()), {k: _host_copy(v) for k, v in state.items()})
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
-        k_w = prefix + "weight"
-        quant_keys = [k for k in d if k.startswith(k_w + ".")]
-        used.update(quant_keys)
-        if k_w not in d:
-            errs.append(f"missing key '{k_w}'" + (" (its quantization entries are present)" if quant_keys else ""))
-            return None
-        used.add(k_w)
-        data = np.asarray(d[k_w])
         shape = (self.num_embeddings, self.features)
-        if not any(k.startswith(k_w + "." + JSON_KEY_PREFIX) for k in quant_keys):
-            if quant_keys:
-                errs.append(
-                    f"'{k_w}' has quantization entries {sorted(quant_keys)} but no '{k_w}.{JSON_KEY_PREFIX}<nf4|fp4>'"
-                )
-                return None
-            if data.dtype.name not in _FLOAT_DTYPES or data.shape != shape:
-                errs.append(
-                    f"'{k_w}' must be packed 4-bit entries or a float table of shape {shape}, got {data.dtype} {data.shape}"
-                )
-                return None
+        found = plan_4bit_load(d, prefix, shape, errs, used, what="table")
+        if found is None:
+            return None
+        data, st = found
+        if st is None:
             table = _device_copy(data)
 
             def apply_float() -> None:
                 self.set_weight(table)
 
             return apply_float
-        try:
-            st = NpQuantState.from_dict({k[len(k_w) + 1 :]: d[k] for k in quant_keys})
-        except (QuantStateError, ValueError, TypeError) as e:
-            errs.append(f"'{k_w}': {e}")
-            return None
-        if tuple(st.shape) != shape:
-            errs.append(f"'{k_w}' quant_state shape {tuple(st.shape)} does not match this table's {shape}")
-            return None
-        if data.dtype.kind not in "uif" and data.dtype.name != "bfloat16":
-            errs.append(f"'{k_w}' must hold the packed bytes (uint8), got {data.dtype}")
-            return None
-        packed = np.ascontiguousarray(data).view(np.uint8).reshape(-1, 1)
-        want = formats.packed_bytes(st.numel)
-        if packed.shape[0] != want:
-            errs.append(f"'{k_w}' holds {packed.shape[0]} bytes, its quant_state shape {tuple(st.shape)} needs {want}")
-            return None
-        packed_dev = _device_copy(packed)
-        state = QuantState.from_numpy(
-            NpQuantState(
-                st.quant_type,
-                st.blocksize,
-                st.shape,
-                st.dtype,
-                _host_copy(st.absmax),
-                None if st.nested_absmax is None else _host_copy(st.nested_absmax),
-                st.nested_offset,
-                st.nested_blocksize,
-            )
-        )
+        packed_dev, state = device_4bit(data, st)
 
         def apply() -> None:
             self.quant_type, self.blocksize, self.compress_statistics = st.quant_type, st.blocksize, st.nested
@@ -476,15 +429,11 @@ class Embedding8bit(_Embedding):
         return out_sharded(y, out_sharding)
 
     def _state_entries(self) -> dict[str, np.ndarray]:
-        return {
-            "weight": _host_copy(self.weight.get_value()),
-            "SCB": _host_copy(self.SCB.get_value()),
-            "weight_format": np.array(_FORMAT_ROW, np.uint8),
-        }
+        return int8_entries(_host_copy(self.weight.get_value()), _host_copy(self.SCB.get_value()))
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
         shape = (self.num_embeddings, self.features)
-        found = check_int8_entries(d, prefix, shape, "the table", errs, used)
+        found = plan_int8_load(d, prefix, shape, "the table", errs, used)
         if found is None:
             return None
         w, scb = found
@@ -561,7 +510,7 @@ class StableEmbedding(_Embedding):
                 continue
             used.add(key)
             a = np.asarray(d[key])
-            if a.dtype.name not in _FLOAT_DTYPES or a.shape != shape:
+            if a.dtype.name not in FLOAT_DTYPES or a.shape != shape:
                 errs.append(f"'{key}' must be a float array of shape {shape}, got {a.dtype} {a.shape}")
                 continue
             new.append((var, _device_copy(a, var.get_value().dtype)))

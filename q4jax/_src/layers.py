@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from q4 import checkpoint as q4_checkpoint
 from q4._src import formats, pages
-from q4._src.quant_state import JSON_KEY_PREFIX, QuantStateError
 from q4._src.quant_state import QuantState as NpQuantState
+from q4._src.schema import FLOAT_DTYPES, int8_entries, plan_4bit_load, plan_int8_load, quant4_entries
 from q4jax._src import ffi
 from q4jax._src.matmul import matmul_4bit, matmul_8bit
 from q4jax._src.quant import QuantState, quantize_4bit, quantize_int8_weight
@@ -52,9 +51,6 @@ from q4jax._src.sharding import (
 
 logger = logging.getLogger("q4jax")
 
-_JSON_PREFIX = JSON_KEY_PREFIX
-_FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
-_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # nnx.Linear's defaults
 _DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
 _DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
@@ -96,6 +92,22 @@ def _device_copy(a, dtype=None) -> jax.Array:
     """A jax array of ``a``'s values that never aliases ``a`` (a fresh host copy, which the
     array may take over)."""
     return jnp.asarray(_host_copy(a, dtype))
+
+
+def device_4bit(packed: np.ndarray, st: NpQuantState) -> tuple[jax.Array, QuantState]:
+    """Device copies of validated packed bytes and their state (the caller's
+    arrays are never aliased)."""
+    st = NpQuantState(
+        st.quant_type,
+        st.blocksize,
+        st.shape,
+        st.dtype,
+        _host_copy(st.absmax),
+        None if st.nested_absmax is None else _host_copy(st.nested_absmax),
+        st.nested_offset,
+        st.nested_blocksize,
+    )
+    return _device_copy(packed), QuantState.from_numpy(st)
 
 
 def out_sharded(y: jax.Array, out_sharding) -> jax.Array:
@@ -330,33 +342,24 @@ class Linear4bit(_QuantLinear):
         out = {"weight": _host_copy(packed)}
         if self.bias is not None:
             out["bias"] = _host_copy(self.bias.get_value())
-        for key, value in state.to_numpy().to_dict().items():
-            out["weight." + key] = _host_copy(value)
+        out.update(quant4_entries(out["weight"], {k: _host_copy(v) for k, v in state.to_numpy().to_dict().items()}))
         return out
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
-        k_w = prefix + "weight"
-        quant_keys = [k for k in d if k.startswith(k_w + ".")]
-        used.update(quant_keys)
         bias_apply = plan_bias(self, d, prefix, errs, used)
-        if k_w not in d:
-            errs.append(f"missing key '{k_w}'" + (" (its quantization entries are present)" if quant_keys else ""))
+
+        def sharded(st: NpQuantState) -> None:
+            if self.sharding is not None:
+                try:
+                    check_4bit(self.sharding, st.shape, st.blocksize, st.nested)
+                except ValueError as e:
+                    raise ValueError(f"cannot be loaded into this sharded layer: {e}") from e
+
+        found = plan_4bit_load(d, prefix, (self.out_features, self.in_features), errs, used, check_state=sharded)
+        if found is None:
             return None
-        used.add(k_w)
-        data = np.asarray(d[k_w])
-        if not any(k.startswith(k_w + "." + _JSON_PREFIX) for k in quant_keys):
-            if quant_keys:
-                errs.append(
-                    f"'{k_w}' has quantization entries {sorted(quant_keys)} but no '{k_w}.{_JSON_PREFIX}<nf4|fp4>'"
-                )
-                return None
-            # a float checkpoint: quantize it with this layer's settings
-            if data.dtype.name not in _FLOAT_DTYPES or data.shape != (self.out_features, self.in_features):
-                errs.append(
-                    f"'{k_w}' must be packed 4-bit entries or a float weight of shape "
-                    f"{(self.out_features, self.in_features)}, got {data.dtype} {data.shape}"
-                )
-                return None
+        data, st = found
+        if st is None:  # a float checkpoint: quantize it with this layer's settings
             w = _device_copy(data)
 
             def apply_float() -> None:
@@ -366,32 +369,7 @@ class Linear4bit(_QuantLinear):
                 self._place_bias(self.sharding)
 
             return apply_float
-        try:
-            st = NpQuantState.from_dict({k[len(k_w) + 1 :]: d[k] for k in quant_keys})
-        except (QuantStateError, ValueError, TypeError) as e:
-            errs.append(f"'{k_w}': {e}")
-            return None
-        if tuple(st.shape) != (self.out_features, self.in_features):
-            errs.append(
-                f"'{k_w}' quant_state shape {tuple(st.shape)} does not match this layer's "
-                f"{(self.out_features, self.in_features)}"
-            )
-            return None
-        if self.sharding is not None:
-            try:
-                check_4bit(self.sharding, st.shape, st.blocksize, st.nested)
-            except ValueError as e:
-                errs.append(f"'{k_w}' cannot be loaded into this sharded layer: {e}")
-                return None
-        if data.dtype.kind not in "uif" and data.dtype.name != "bfloat16":
-            errs.append(f"'{k_w}' must hold the packed bytes (uint8), got {data.dtype}")
-            return None
-        packed = np.ascontiguousarray(data).view(np.uint8).reshape(-1, 1)
-        want = formats.packed_bytes(st.numel)
-        if packed.shape[0] != want:
-            errs.append(f"'{k_w}' holds {packed.shape[0]} bytes, its quant_state shape {tuple(st.shape)} needs {want}")
-            return None
-        packed_dev, state = self._prepared(packed, st)
+        packed_dev, state = device_4bit(data, st)
 
         def apply():
             self._install(packed_dev, state)
@@ -400,22 +378,6 @@ class Linear4bit(_QuantLinear):
             self._place_bias(self.sharding)
 
         return apply
-
-    @staticmethod
-    def _prepared(packed: np.ndarray, st: NpQuantState) -> tuple[jax.Array, QuantState]:
-        """Device copies of validated packed bytes and their state (the
-        caller's arrays are never aliased)."""
-        st = NpQuantState(
-            st.quant_type,
-            st.blocksize,
-            st.shape,
-            st.dtype,
-            _host_copy(st.absmax),
-            None if st.nested_absmax is None else _host_copy(st.nested_absmax),
-            st.nested_offset,
-            st.nested_blocksize,
-        )
-        return _device_copy(packed), QuantState.from_numpy(st)
 
     def _install(self, packed: jax.Array, state: QuantState) -> None:
         self.quant_type, self.blocksize = state.quant_type, state.blocksize
@@ -437,7 +399,7 @@ class Linear4bit(_QuantLinear):
         packed = np.ascontiguousarray(packed).view(np.uint8).reshape(-1, 1)
         if packed.shape[0] != formats.packed_bytes(st.numel):
             raise ValueError(f"{packed.shape[0]} packed bytes for shape {tuple(st.shape)}")
-        self._install(*self._prepared(packed, st))
+        self._install(*device_4bit(packed, st))
         return self
 
 
@@ -548,13 +510,12 @@ class Linear8bit(_QuantLinear):
         out = {"weight": _host_copy(cb)}
         if self.bias is not None:
             out["bias"] = _host_copy(self.bias.get_value())
-        out["SCB"] = _host_copy(scb)
-        out["weight_format"] = np.array(_FORMAT_ROW, np.uint8)
+        out.update(int8_entries(out["weight"], _host_copy(scb)))
         return out
 
     def _plan_load(self, d: dict, prefix: str, errs: list[str], used: set[str]) -> Callable[[], None] | None:
         bias_apply = plan_bias(self, d, prefix, errs, used)
-        found = check_int8_entries(d, prefix, (self.out_features, self.in_features), "the layer", errs, used)
+        found = plan_int8_load(d, prefix, (self.out_features, self.in_features), "the layer", errs, used)
         if found is None:
             return None
         w, scb = found
@@ -579,49 +540,6 @@ class Linear8bit(_QuantLinear):
             self._place_bias(self.sharding)
 
         return apply_float
-
-
-def check_int8_entries(
-    d: dict, prefix: str, shape: tuple[int, int], what: str, errs: list[str], used: set[str]
-) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """The checkpoint entries of an LLM.int8 weight (a Linear8bit's or an
-    Embedding8bit's) checked against its `shape`: (int8 CB, its SCB) or (a
-    float weight to quantize, None); None after appending to `errs` (every
-    problem, with the key) when they are unusable."""
-    k_w, k_scb, k_fmt = prefix + "weight", prefix + "SCB", prefix + "weight_format"
-    used.update(k for k in (k_w, k_scb, k_fmt) if k in d)
-    n = len(errs)
-    if k_fmt in d:
-        try:
-            fmt = q4_checkpoint.parse_weight_format(d[k_fmt], k_fmt)
-        except q4_checkpoint.CheckpointError as e:
-            errs.append(str(e))
-        else:
-            if fmt != "row":
-                errs.append(f"'{k_fmt}': only the row-major format (0) is supported, got {fmt!r}")
-    if k_w not in d:
-        errs.append(f"missing key '{k_w}'")
-        return None
-    w = np.asarray(d[k_w])
-    if w.shape != shape:
-        errs.append(f"size mismatch for '{k_w}': checkpoint has {w.shape}, {what} is {shape}")
-        return None
-    if w.dtype == np.int8:
-        if k_scb not in d:
-            errs.append(f"missing key '{k_scb}': an int8 '{k_w}' needs its row scales")
-            return None
-        scb = np.asarray(d[k_scb])
-        if scb.dtype.name not in _FLOAT_DTYPES or scb.shape != (shape[0],):
-            errs.append(f"'{k_scb}' must be a float array of shape ({shape[0]},), got {scb.dtype} {scb.shape}")
-            return None
-        return None if len(errs) > n else (w, scb)
-    if w.dtype.name in _FLOAT_DTYPES:
-        if k_scb in d:
-            errs.append(f"'{k_scb}' given with a float (unquantized) '{k_w}' ({w.dtype})")
-            return None
-        return None if len(errs) > n else (w, None)
-    errs.append(f"'{k_w}' must be int8 (quantized) or float, got {w.dtype}")
-    return None
 
 
 def plan_bias(layer, d: dict, prefix: str, errs: list[str], used: set[str]):
@@ -651,7 +569,7 @@ def plan_dense_load(layer: nnx.Linear, d: dict, prefix: str, errs: list[str], us
     used.add(k_w)
     w = np.asarray(d[k_w])
     shape = (layer.out_features, layer.in_features)
-    if w.shape != shape or w.dtype.name not in _FLOAT_DTYPES:
+    if w.shape != shape or w.dtype.name not in FLOAT_DTYPES:
         errs.append(f"'{k_w}' must be a float array of shape {shape}, got {w.dtype} {w.shape}")
         return None
     kernel = _device_copy(w.T, layer.kernel.get_value().dtype)
