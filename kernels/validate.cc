@@ -2,6 +2,7 @@
 // value and the expected one; callers surface them unchanged.
 #include <string>
 
+#include "q4/int8.h"
 #include "q4/kernels.h"
 #include "q4/packing.h"
 #include "q4/w4a8.h"
@@ -205,7 +206,11 @@ Status validate(const Int8LinearParams& p) {
   Q4_RETURN_IF_ERROR(check_ptr(p.x, "input"));
   Q4_RETURN_IF_ERROR(check_ptr(p.weight, "int8 weight"));
   Q4_RETURN_IF_ERROR(check_ptr(p.weight_scale, "weight scale"));
-  return check_ptr(p.out, "output");
+  Q4_RETURN_IF_ERROR(check_ptr(p.out, "output"));
+  if (p.k > int8::kMaxK)  // |sum_k q * CB| <= 128 * 127 * k fits in int32
+    return Status::Invalid("int8 linear: k = " + std::to_string(p.k) + " overflows the int32 accumulator (max " +
+                           std::to_string(int8::kMaxK) + ")");
+  return Status::Ok();
 }
 
 Status validate(const Int8GradInputParams& p) {

@@ -59,8 +59,8 @@ struct Chain {
 // cpu/int8.cc): acc[i * acc_stride + j] = sum_{kk < k} xq[i * xs + kk] *
 // w[j][kk], exact in int32 (k <= int8::kMaxK), for i < mr <= 4 quantized x
 // rows and j < nr <= 4 weight rows. x_sums[i] = sum_kk xq[i * xs + kk].
-// An entry returns false for calls it does not serve; int8.cc's AVX2 and
-// scalar loops (not chain entries) run then.
+// An entry returns false for calls it does not serve; the dot-product tiles
+// of the int8_linear entry's own loops (cpu/int8_loops.h) run then.
 struct Int8Dots {
   const int8_t* xq;
   int64_t xs;
@@ -119,6 +119,37 @@ using Int8GradFn = bool (*)(const Int8Grad& a);
 // (x86/amx/gemm4.cc). Runs before the int8_grad chain; false: not served.
 using Int8GradInputFn = bool (*)(const Int8GradInputParams& p);
 
+// The LLM.int8 ops with one level's loops (cpu/int8_loops.h: the drivers;
+// x86/avx2/int8.cc, cpu/int8.cc: the loops), the call validated. Each level's
+// chain ends in the scalar entry, which serves every call. int8_linear's
+// entry also consults the int8_gemm and int8_dots chains and names the entry
+// it took in run->kernel (null: its own dot-product tiles, reported by the
+// entry's name); its status is the op's. int8_grad's entry runs after the
+// int8_grad_input and int8_grad chains, col_scale[j] = fp32(SCB[j] / 127).
+struct Int8LinearRun {
+  Status status;
+  const char* kernel = nullptr;
+};
+using Int8QuantizeFn = bool (*)(const Int8QuantizeRowsParams& p);
+using Int8LinearFn = bool (*)(const Int8LinearParams& p, Int8LinearRun* run);
+using Int8GradLoopsFn = bool (*)(const Int8GradInputParams& p, const float* col_scale);
+
+// 4-bit quantize / dequantize with one level's block functions
+// (cpu/quant4_loops.h: the drivers), the call validated; each level's chain
+// ends in the scalar entry. Blocks4: encode_4bit (x, scales_in -> packed) and
+// search_scales_4bit (x -> scales_out) over n_blocks full blocks.
+struct Blocks4 {
+  const float* x;
+  int64_t n_blocks, blocksize;
+  int32_t quant_type;
+  const float* scales_in;
+  uint8_t* packed;
+  float* scales_out;
+};
+using Quantize4Fn = bool (*)(const Quantize4bitParams& p);
+using Dequantize4Fn = bool (*)(const Dequantize4bitParams& p);
+using Blocks4Fn = bool (*)(const Blocks4& a);
+
 // Blockwise 8-bit optimizer step (contract in q4/kernels.h, Optim8bitParams):
 // the whole call, its own parallel_for; false: not served (dtype).
 struct Optim8Call;  // cpu/optim8_common.h
@@ -132,7 +163,14 @@ struct KernelTable {
   Chain<Int8GradInputFn> int8_grad_input;
   Chain<Int8DotsFn> int8_dots;
   Chain<Int8GemmFn> int8_gemm;
+  Chain<Int8QuantizeFn> int8_quantize;
+  Chain<Int8LinearFn> int8_linear;
+  Chain<Int8GradLoopsFn> int8_grad_loops;
   Chain<Optim8Fn> optim8;
+  Chain<Quantize4Fn> quantize4;
+  Chain<Dequantize4Fn> dequantize4;
+  Chain<Blocks4Fn> encode4;
+  Chain<Blocks4Fn> search4;
 };
 
 // The table of the active level.
@@ -156,17 +194,33 @@ void run_chain(const Chain<Fn>& chain, Op op, const P& p, const gemm4::Scales& s
     if (chain.entries[i].fn(p, scales)) return record_kernel(op, chain.entries[i].name);
 }
 
-// Entry points of each level's translation unit. Every unit exists in every
-// build; on a non-x86 build the x86 units define no entries.
+// Entry points of each level's translation unit. The x86 units are compiled
+// only on x86 (isa.cc adds their entries there only).
 namespace scalar {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
 bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);  // cpu/w4a8.cc
 bool optim8(const Optim8Call& c);                                 // cpu/optim8.cc
+bool int8_quantize_rows(const Int8QuantizeRowsParams& p);         // cpu/int8.cc
+bool int8_linear(const Int8LinearParams& p, Int8LinearRun* run);
+bool int8_grad(const Int8GradInputParams& p, const float* col_scale);
+bool quantize4(const Quantize4bitParams& p);  // cpu/quant4.cc
+bool dequantize4(const Dequantize4bitParams& p);
+bool encode4(const Blocks4& a);
+bool search4(const Blocks4& a);
 }  // namespace scalar
 namespace avx2 {
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales);
+// the LLM.int8 ops' AVX2 loops (x86/avx2/int8.cc)
+bool int8_quantize_rows(const Int8QuantizeRowsParams& p);
+bool int8_linear(const Int8LinearParams& p, Int8LinearRun* run);
+bool int8_grad(const Int8GradInputParams& p, const float* col_scale);
+// 4-bit quantize / dequantize blocks (x86/avx2/quant4.cc)
+bool quantize4(const Quantize4bitParams& p);
+bool dequantize4(const Dequantize4bitParams& p);
+bool encode4(const Blocks4& a);
+bool search4(const Blocks4& a);
 }  // namespace avx2
 namespace avx512 {
 // fp32 compute with 512-bit FMAs (batch-1 gemv, tiled forward, input gradient)

@@ -128,12 +128,26 @@ cpu::KernelTable build_table(Isa isa) {
   if (isa >= kIsaAvx2) {
     t.gemm4.add("avx2.gemm4", cpu::avx2::gemm4);
     t.grad4.add("avx2.grad4", cpu::avx2::grad4);
+    t.int8_quantize.add("avx2.int8_quantize_rows", cpu::avx2::int8_quantize_rows);
+    t.int8_linear.add("avx2.int8_dots", cpu::avx2::int8_linear);
+    t.int8_grad_loops.add("avx2.int8_grad", cpu::avx2::int8_grad);
+    t.quantize4.add("avx2.quantize4", cpu::avx2::quantize4);
+    t.dequantize4.add("avx2.dequantize4", cpu::avx2::dequantize4);
+    t.encode4.add("avx2.encode4", cpu::avx2::encode4);
+    t.search4.add("avx2.search4", cpu::avx2::search4);
   }
 #endif
   t.gemm4.add("scalar.gemm4", cpu::scalar::gemm4);
   t.grad4.add("scalar.grad4", cpu::scalar::grad4);
   t.w4a8.add("scalar.w4a8", cpu::scalar::w4a8);
   t.optim8.add("scalar.optim8", cpu::scalar::optim8);
+  t.int8_quantize.add("scalar.int8_quantize_rows", cpu::scalar::int8_quantize_rows);
+  t.int8_linear.add("scalar.int8_dots", cpu::scalar::int8_linear);  // named by their dot-product tiles
+  t.int8_grad_loops.add("scalar.int8_grad", cpu::scalar::int8_grad);
+  t.quantize4.add("scalar.quantize4", cpu::scalar::quantize4);
+  t.dequantize4.add("scalar.dequantize4", cpu::scalar::dequantize4);
+  t.encode4.add("scalar.encode4", cpu::scalar::encode4);
+  t.search4.add("scalar.search4", cpu::scalar::search4);
   return t;
 }
 
@@ -234,21 +248,19 @@ std::string cpu_features_json() {
   for (int i = 0; i < t.grad4.size; ++i) names[i] = t.grad4.entries[i].name;
   json_chain(s, "gemm_4bit_grad_input", names, t.grad4.size);
   s += ", ";
-  int count = 0;  // int8_linear: the chain's entries, then int8.cc's own loops
+  int count = 0;  // int8_linear: the int8_gemm and int8_dots chains, then the loops' entries
   for (int i = 0; i < t.int8_gemm.size; ++i) names[count++] = t.int8_gemm.entries[i].name;
   for (int i = 0; i < t.int8_dots.size; ++i) names[count++] = t.int8_dots.entries[i].name;
-  if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_dots";
-  names[count++] = "scalar.int8_dots";
+  for (int i = 0; i < t.int8_linear.size; ++i) names[count++] = t.int8_linear.entries[i].name;
   json_chain(s, "int8_linear", names, count);
   s += ", ";
   for (int i = 0; i < t.w4a8.size; ++i) names[i] = t.w4a8.entries[i].name;
   json_chain(s, "gemm_4bit_w4a8", names, t.w4a8.size);
   s += ", ";
-  count = 0;  // int8_grad_input: the call-as-it-is kernels, the chain's entries, then int8.cc's own loops
+  count = 0;  // int8_grad_input: the call-as-it-is kernels, the int8_grad chain, then the loops' entries
   for (int i = 0; i < t.int8_grad_input.size; ++i) names[count++] = t.int8_grad_input.entries[i].name;
   for (int i = 0; i < t.int8_grad.size; ++i) names[count++] = t.int8_grad.entries[i].name;
-  if (cpu_isa() >= kIsaAvx2) names[count++] = "avx2.int8_grad";
-  names[count++] = "scalar.int8_grad";
+  for (int i = 0; i < t.int8_grad_loops.size; ++i) names[count++] = t.int8_grad_loops.entries[i].name;
   json_chain(s, "int8_grad_input", names, count);
   s += ", ";
   for (int i = 0; i < t.optim8.size; ++i) names[i] = t.optim8.entries[i].name;

@@ -1,16 +1,14 @@
-// AVX2 helpers for the CPU kernels. Every function carries the target
-// attribute instead of the translation unit being built with -mavx2, so no
-// AVX2 code can leak into the scalar path through shared inline functions.
+// AVX2 helpers for the x86 ISA units. Every function carries the target
+// attribute, so the units may include this header before their
+// Q4_UNIT_BEGIN (x86/unit.h) and no AVX2 code can leak into the scalar path
+// through shared inline functions.
 #pragma once
 
-#if defined(__x86_64__) || defined(__i386__)
-#define Q4_HAVE_AVX2_CODE 1
 #include <immintrin.h>
 
 #include "q4/common.h"
 
 #define Q4_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
-#define Q4_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) inline
 
 namespace q4 {
 namespace avx2 {
@@ -91,4 +89,3 @@ Q4_AVX2 __m256 lookup16(__m256 t_lo, __m256 t_hi, __m256i idx) {
 
 }  // namespace avx2
 }  // namespace q4
-#endif

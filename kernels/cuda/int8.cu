@@ -32,7 +32,6 @@ namespace {
 
 using int8::kInv127;
 using int8::kInv127Sq;
-constexpr int64_t kMaxInt8K = int8::kMaxK;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -362,9 +361,6 @@ Status int8_quantize_rows(const Int8QuantizeRowsParams& p, void* stream) {
 Status int8_linear(const Int8LinearParams& p, void* stream) {
   Status s = validate(p);
   if (!s.ok()) return s;
-  if (p.k > kMaxInt8K)
-    return Status::Invalid("int8 linear: k = " + std::to_string(p.k) + " overflows the int32 accumulator (max " +
-                           std::to_string(kMaxInt8K) + ")");
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
   const char* op = "int8_linear";
   const bool outliers = p.threshold > 0.0f;

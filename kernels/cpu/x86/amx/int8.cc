@@ -24,14 +24,9 @@
 
 #include "../../dispatch.h"
 #include "../../parallel.h"
+#include "../unit.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (GCC bug 105593)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+Q4_UNIT_BEGIN(amx)
 
 #include "../avx512/transpose16.h"
 #include "tiles.h"
@@ -183,16 +178,4 @@ bool int8_gemm(const Int8Gemm& g) {
 }  // namespace cpu
 }  // namespace q4
 
-#pragma GCC diagnostic pop
-
-#else  // not x86: the level is never selected
-
-namespace q4 {
-namespace cpu {
-namespace amx {
-bool int8_gemm(const Int8Gemm&) { return false; }
-}  // namespace amx
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

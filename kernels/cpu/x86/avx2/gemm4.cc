@@ -21,11 +21,11 @@
 #include "../../rows.h"
 #include "../../simd_avx2.h"
 #include "../prefetch.h"
+#include "../unit.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
-#if Q4_HAVE_AVX2_CODE
-#pragma GCC target("avx2,fma,f16c")
+Q4_UNIT_BEGIN(avx2)
 
 namespace q4 {
 namespace cpu {
@@ -482,15 +482,4 @@ bool grad4(const Gemm4bitGradInputParams& p, const Scales& scales) {
 }  // namespace cpu
 }  // namespace q4
 
-#else  // not x86
-
-namespace q4 {
-namespace cpu {
-namespace avx2 {
-bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
-bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
-}  // namespace avx2
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

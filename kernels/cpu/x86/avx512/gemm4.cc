@@ -2,22 +2,20 @@
 // fp32 contract of q4/kernels.h): the batch-1 gemv here (k % 128 == 0 on
 // 128-element chunks, else k % 64 == 0 on 64-element chunks), the tiled
 // forward and the input gradient in gemm4_tiled.cc.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstring>
 
 #include "../../dispatch.h"
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
+#include "../unit.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+Q4_UNIT_BEGIN(avx512)
 #include "scale_decoder.h"
-#pragma GCC diagnostic pop
 
 namespace q4 {
 namespace cpu {
@@ -25,13 +23,6 @@ namespace avx512 {
 namespace {
 
 using namespace gemm4;  // NOLINT: the shared pieces of every gemm4 unit
-
-// GCC 12's own AVX-512 intrinsic headers trip -Wmaybe-uninitialized (they
-// pass _mm512_undefined_*() as the merge source; GCC bug 105593, fixed in
-// GCC 13): silenced for the AVX-512 functions below only.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
 
 // AVX-512 batch-1 gemv (k % 64 == 0): 16 bytes widen to 16 int32 lanes
 // (byte i of a half-chunk in lane i); `permutexvar` looks the 16-entry code
@@ -231,8 +222,6 @@ void gemv128(const Gemm4bitParams& p, const float* x, const ScaleDecoder& scales
   });
 }
 
-#pragma GCC diagnostic pop
-
 template <QuantType QT>
 void gemv1(const Gemm4bitParams& p, const float* x, const Scales& scales) {
   float* xe = scratch(kSlotPanels, p.k);
@@ -268,14 +257,4 @@ bool gemm4(const Gemm4bitParams& p, const Scales& scales) {
 }  // namespace cpu
 }  // namespace q4
 
-#else  // not x86
-
-namespace q4 {
-namespace cpu {
-namespace avx512 {
-bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
-}  // namespace avx512
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

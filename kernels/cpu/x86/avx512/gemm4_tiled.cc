@@ -44,6 +44,8 @@
 // The dequantized weight never exists beyond one L1 tile; nothing is cached
 // across calls and the packed parameter is only read (the per-call scratch
 // holds the packed input and, for nested absmax, the decoded block scales).
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -52,18 +54,12 @@
 #include "../../dispatch.h"
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
+#include "../unit.h"
 #include "q4/common.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-// GCC 12's AVX-512 intrinsic headers trip -W(maybe-)uninitialized (they pass
-// _mm512_undefined_*() as the merge source; GCC bug 105593, fixed in GCC 13).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+Q4_UNIT_BEGIN(avx512)
 
 #include "scale_decoder.h"
 #include "transpose16.h"
@@ -876,17 +872,4 @@ bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales& scales) {
 }  // namespace cpu
 }  // namespace q4
 
-#pragma GCC diagnostic pop
-
-#else  // not x86
-
-namespace q4 {
-namespace cpu {
-namespace avx512 {
-bool gemm4_tiled(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
-bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
-}  // namespace avx512
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

@@ -10,22 +10,18 @@
 // each copied once into a contiguous buffer (n x 32 bytes, L2): read in place
 // at the weight's row stride (4 KiB for k = 4096) every line of the strip
 // would fall into one L1 set.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 
 #include "../../dispatch.h"
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
+#include "../unit.h"
 #include "q4/kernels.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-
-#include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (see gemm4.cc).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+Q4_UNIT_BEGIN(avx512)
 
 namespace q4 {
 namespace cpu {
@@ -121,16 +117,4 @@ bool int8_grad(const Int8Grad& a) {
 }  // namespace cpu
 }  // namespace q4
 
-#pragma GCC diagnostic pop
-
-#else  // not x86: the level is never selected
-
-namespace q4 {
-namespace cpu {
-namespace avx512 {
-bool int8_grad(const Int8Grad&) { return false; }
-}  // namespace avx512
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

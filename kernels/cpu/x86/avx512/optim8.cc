@@ -8,22 +8,18 @@
 // the scalar reference's, lane by lane, so the bytes are the same.
 #include "q4/optim8.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 
 #include "../../dispatch.h"
 #include "../../optim8_common.h"
 #include "../../parallel.h"
+#include "../unit.h"
 #include "q4/kernels.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-
-#include <immintrin.h>
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (see gemm4.cc).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+Q4_UNIT_BEGIN(avx512)
 
 namespace q4 {
 namespace cpu {
@@ -262,16 +258,4 @@ bool optim8(const Optim8Call& c) {
 }  // namespace cpu
 }  // namespace q4
 
-#pragma GCC diagnostic pop
-
-#else  // not x86: no entries
-
-namespace q4 {
-namespace cpu {
-namespace avx512 {
-bool optim8(const Optim8Call&) { return false; }
-}  // namespace avx512
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

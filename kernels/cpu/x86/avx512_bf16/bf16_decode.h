@@ -195,7 +195,7 @@ inline void pack_panel_chunk(int64_t m, int64_t k, int64_t panel, int64_t c, uin
 }
 
 // x [m, k] bf16 -> its panels at xp (pack_panel_chunk's layout).
-void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
+inline void pack_panels(const uint16_t* x, int64_t m, int64_t k, uint32_t* xp) {
   const int64_t panels = ceil_div(m, kPanel), chunks = k / kChunk;
   parallel_for(panels * chunks, 16, [&](int64_t u0, int64_t u1) {
     const __m512i ie = deinterleave_index(0), io = deinterleave_index(1);

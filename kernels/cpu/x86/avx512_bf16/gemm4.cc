@@ -68,19 +68,13 @@
 #include "../../dispatch.h"
 #include "../../gemm4_common.h"
 #include "../../parallel.h"
+#include "../unit.h"
 #include "q4/common.h"
 #include "q4/dynamic8.h"
 #include "q4/kernels.h"
 #include "q4/quant4.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c")
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (they pass
-// _mm512_undefined_*() as the merge source; GCC bug 105593, fixed in GCC 13).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+Q4_UNIT_BEGIN(avx512_bf16)
 
 #include "../avx512/scale_decoder.h"
 #include "../avx512/store16.h"
@@ -920,17 +914,4 @@ bool grad4(const Gemm4bitGradInputParams& p, const gemm4::Scales&) {
 }  // namespace cpu
 }  // namespace q4
 
-#pragma GCC diagnostic pop
-
-#else  // not x86: no AVX512_BF16 kernels
-
-namespace q4 {
-namespace cpu {
-namespace avx512_bf16 {
-bool gemm4(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
-bool grad4(const Gemm4bitGradInputParams&, const gemm4::Scales&) { return false; }
-}  // namespace avx512_bf16
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END

@@ -35,14 +35,9 @@
 
 #include "../../dispatch.h"
 #include "../../parallel.h"
+#include "../unit.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,avx2,fma,f16c")
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized (see gemm4.cc).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
+Q4_UNIT_BEGIN(avx512_bf16)
 
 #include "../avx512/scale_decoder.h"
 #include "../avx512/store16.h"
@@ -581,16 +576,4 @@ bool w4a8(const Gemm4bitParams& p, const Scales&) {
 }  // namespace cpu
 }  // namespace q4
 
-#pragma GCC diagnostic pop
-
-#else  // not x86: the level is never selected
-
-namespace q4 {
-namespace cpu {
-namespace avx512_bf16 {
-bool w4a8(const Gemm4bitParams&, const gemm4::Scales&) { return false; }
-}  // namespace avx512_bf16
-}  // namespace cpu
-}  // namespace q4
-
-#endif
+Q4_UNIT_END
