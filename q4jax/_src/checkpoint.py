@@ -15,16 +15,9 @@ from flax import nnx
 
 from q4 import checkpoint as q4_checkpoint
 from q4jax._src.embedding import EMBEDDING_TYPES, Embedding4bit, Embedding8bit, StableEmbedding
+from q4jax._src.graph import check_graph_root, graph_edges, path_name, set_child
 from q4jax._src.layers import Linear4bit, Linear8bit, dense_entries, plan_dense_load
-from q4jax._src.model import (
-    LayerSettings,
-    check_graph_root,
-    classify,
-    graph_edges,
-    path_name,
-    quantized_layer,
-    set_child,
-)
+from q4jax._src.model import LayerSettings, classify, quantized_layer
 from q4jax._src.projection import _Projection
 from q4jax._src.quant import QuantState
 

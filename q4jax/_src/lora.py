@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from q4jax._src.graph import check_graph_root, graph_edges, path_name, set_child
 from q4jax._src.layers import Linear4bit, Linear8bit
-from q4jax._src.model import check_graph_root, graph_edges, path_name, set_child
 from q4jax._src.projection import _Projection
 
 logger = logging.getLogger("q4jax")

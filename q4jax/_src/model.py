@@ -1,12 +1,12 @@
-"""Whole-model rewriting for flax.nnx: walking a module graph and replacing its
-projections (nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Embed) by quantized
-layers, with a report of what was left float (quantize_model)."""
+"""Whole-model rewriting for flax.nnx: replacing a module graph's projections
+(nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Embed) by quantized layers,
+with a report of what was left float (quantize_model); the graph walking is
+graph.py's."""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
 
 from q4._src import formats, quantizers
 from q4._src.report import EMBEDDINGS_OFF, SKIP_RULE, QuantizeReport, ReportRow
 from q4._src.weights import quantize_weight_4bit
 from q4jax._src.embedding import Embedding4bit, Embedding8bit
+from q4jax._src.graph import check_graph_root, graph_edges, path_name, set_child
 from q4jax._src.layers import Linear4bit, Linear8bit, concrete
+from q4jax._src.lora import lora_from_lora_linear
 from q4jax._src.projection import (
     KernelSplit,
     QuantizedEinsum,
@@ -37,55 +38,6 @@ from q4jax._src.projection import (
 )
 
 logger = logging.getLogger("q4jax")
-
-# ------------------------------------------------------------------ graph walking
-
-
-def graph_children(node) -> Iterator[tuple[Any, Any]]:
-    impl = graphlib.get_node_impl(node)
-    if impl is None:
-        return
-    for key, child in impl.node_dict(node).items():
-        if isinstance(key, str) and key.startswith("_"):
-            continue  # nnx internals (_pytree__state, _length, ...)
-        yield key, child
-
-
-def graph_edges(root) -> Iterator[tuple[tuple, Any, Any, Any]]:
-    """(path, parent, key, child) for every edge to a Module below root, in
-    attribute order; a module reachable by several paths is yielded once per
-    path (as torch's state_dict does), but its subtree is walked once per path
-    only while no cycle is formed."""
-
-    def walk(node, path, on_stack):
-        for key, child in graph_children(node):
-            if isinstance(child, nnx.Variable) or not graphlib.is_node(child):
-                continue
-            if id(child) in on_stack:
-                continue
-            p = (*path, key)
-            if isinstance(child, nnx.Module):
-                yield p, node, key, child
-            yield from walk(child, p, on_stack | {id(child)})
-
-    yield from walk(root, (), frozenset({id(root)}))
-
-
-def path_name(path: tuple) -> str:
-    return ".".join(str(k) for k in path)
-
-
-def set_child(parent, key, value) -> None:
-    if isinstance(parent, (nnx.List, nnx.Dict, list, dict)):
-        parent[key] = value
-    else:
-        setattr(parent, key, value)
-
-
-def check_graph_root(module, what: str) -> None:
-    if not isinstance(module, nnx.Module):
-        raise TypeError(f"{what} expects an nnx.Module, got {type(module).__name__}")
-
 
 _ADVICE = "q4jax quantizes nnx.Linear, nnx.LinearGeneral, nnx.Einsum (and nnx.Embed with embeddings=True)"
 
@@ -379,8 +331,6 @@ def quantized_layer(
         layers.append(stack_layers(per, (len(per),)) if shared else per[0])
     base = layers[0] if not stack else stack_layers(layers, stack)
     if kind == "lora":
-        from q4jax._src.lora import lora_from_lora_linear
-
         return lora_from_lora_linear(child, base)
     if kind == "linear":
         return keep_subclass(child, base, nnx.Linear)

@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from q4jax._src.graph import check_graph_root, graph_edges, path_name
 from q4jax._src.layers import Linear4bit, Linear8bit
-from q4jax._src.model import check_graph_root, graph_edges, path_name
 from q4jax._src.sharding import (
     LinearSharding,
     check_4bit,

@@ -289,8 +289,8 @@ def _dequantized_float_model(float_model, quantized):
     from q4jax._src.model import _split_of
     from q4jax._src.projection import matrix_of
 
-    f_edges = {p: c for p, _, _, c in q4jax._src.model.graph_edges(float_model)}
-    for path, _, _, q in q4jax._src.model.graph_edges(quantized):
+    f_edges = {p: c for p, _, _, c in q4jax._src.graph.graph_edges(float_model)}
+    for path, _, _, q in q4jax._src.graph.graph_edges(quantized):
         f = f_edges.get(path)
         if f is None:
             continue  # a projection's 2-D base: rebuilt with the projection
