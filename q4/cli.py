@@ -111,6 +111,11 @@ class Progress:
 # --------------------------------------------------------------- commands
 
 
+# GPTQ's calibration pass runs the model in transformers (PyTorch): found by
+# name, as `q4 parity` finds each front end's adapter (q4/ imports no front end)
+GPTQ_CALIBRATION = "q4torch._src.replace:calibration_hessians"
+
+
 def _calibration_hessians(args) -> dict:
     """GPTQ's Hessians by layer name: the model folder loaded with transformers
     (float, CPU), each line of the calibration file one unpadded batch, every
@@ -125,9 +130,9 @@ def _calibration_hessians(args) -> dict:
     lines = [t.strip() for t in Path(args.calibration).read_text(encoding="utf-8").splitlines() if t.strip()]
     if not lines:
         raise ValueError(f"{args.calibration}: no calibration text (one text per line)")
-    from q4torch._src.replace import calibration_hessians
+    from q4._src import plugins
 
-    return calibration_hessians(src, lines, args.blocksize)
+    return plugins.load(GPTQ_CALIBRATION)(src, lines, args.blocksize)
 
 
 def cmd_quantize(args) -> int:

@@ -37,11 +37,11 @@ ADAPTER_MODULES = {"q4torch": "q4torch._src.parity", "q4jax": "q4jax._src.parity
 
 def adapter(name: str):
     """The `q4 parity` adapter of front end `name` ('q4torch' or 'q4jax')."""
-    import importlib
+    from q4._src import plugins
 
     if name not in ADAPTER_MODULES:
         raise ValueError(f"unknown front end {name!r}; choose from {', '.join(ADAPTER_MODULES)}")
-    return importlib.import_module(ADAPTER_MODULES[name]).Adapter()
+    return plugins.load(ADAPTER_MODULES[name] + ":Adapter")()
 
 
 # ------------------------------------------------------------ file checks

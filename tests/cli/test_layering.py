@@ -33,3 +33,14 @@ def test_parity_finds_each_front_ends_adapter():
         assert q4.parity.adapter(name).name == name
     with pytest.raises(ValueError, match="tensorflow"):
         q4.parity.adapter("tensorflow")
+
+
+def test_the_gptq_calibration_is_found_by_name():
+    """`q4 quantize --method gptq` reaches the PyTorch calibration pass through
+    its name only (q4/_src/plugins.py), as `q4 parity` reaches the adapters."""
+    import q4.cli
+    from q4._src import plugins
+
+    assert callable(plugins.load(q4.cli.GPTQ_CALIBRATION))
+    with pytest.raises(ValueError, match="module:attribute"):
+        plugins.load("q4torch._src.replace")
