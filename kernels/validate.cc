@@ -29,10 +29,7 @@ Status check_float_dtype(DType d, const char* what) {
                            S(d));
   return Status::Ok();
 }
-Status check_quant_type(QuantType q) {
-  if (q != kNF4 && q != kFP4) return Status::Invalid("quant_type must be 0 (nf4) or 1 (fp4), got " + S(q));
-  return Status::Ok();
-}
+Status check_quant_type(QuantType q) { return validate_quant_type(q); }
 Status check_n(int64_t n) {
   if (n <= 0) return Status::Invalid("element count must be positive, got " + S(n));
   if (n > kMaxElements)
@@ -64,6 +61,17 @@ Status check_ptr(const void* p, const char* what) {
   } while (0)
 
 }  // namespace
+
+Status validate_quant_type(int64_t q) {
+  if (is_quant_type(q)) return Status::Ok();
+  std::string names;  // "0 (nf4) or 1 (fp4)", from the format list
+  int i = 0;
+#define Q4_FORMAT_NAME(name, NAME, id, w4a8_scale) \
+  names += std::string(i == 0 ? "" : i + 1 == kFormats ? " or " : ", ") + #id " (" #name ")", ++i;
+  Q4_FORMATS(Q4_FORMAT_NAME)
+#undef Q4_FORMAT_NAME
+  return Status::Invalid("quant_type must be " + names + ", got " + S(q));
+}
 
 Status validate(const Quantize4bitParams& p) {
   Q4_RETURN_IF_ERROR(check_n(p.n));

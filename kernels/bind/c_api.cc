@@ -8,8 +8,8 @@
 #include "q4/dynamic8.h"
 #include "q4/fp4.h"
 #include "q4/kernels.h"
-#include "q4/nf4.h"
 #include "q4/optim8.h"
+#include "q4/quant4.h"
 #include "q4/w4a8.h"
 
 using q4::capi::finish;
@@ -26,19 +26,42 @@ int32_t q4_has_cuda(void) {
 #endif
 }
 
+const char* q4_formats(void) {
+#define Q4_FORMAT_LINE(name, NAME, id, w4a8_scale) #name " " #id "\n"
+  return Q4_FORMATS(Q4_FORMAT_LINE);
+#undef Q4_FORMAT_LINE
+}
+
+// Tables 2 and 3 are the 8-bit dynamic maps; every other index is a format's id.
+constexpr int32_t kDynamicTable = 2, kUnsignedDynamicTable = 3;
+#define Q4_FORMAT_ID_FREE(name, NAME, id, w4a8_scale)                                                             \
+  static_assert(id != kDynamicTable && id != kUnsignedDynamicTable, "q4_code_table: " #name "'s id is a dynamic " \
+                                                                                            "map's");
+Q4_FORMATS(Q4_FORMAT_ID_FREE)
+#undef Q4_FORMAT_ID_FREE
+
 int32_t q4_code_table(int32_t which, float* out, int64_t out_size) {
-  const int64_t want = which >= 2 ? 256 : 16;
-  if (which < 0 || which > 3)
-    return finish(q4::Status::Invalid("table must be 0 (nf4), 1 (fp4), 2 (dynamic8) or 3 (unsigned dynamic8), got " +
+  const bool dynamic = which == kDynamicTable || which == kUnsignedDynamicTable;
+  if (!dynamic && !q4::is_quant_type(which)) {
+    std::string names;  // "0 (nf4), 1 (fp4), 2 (dynamic8) or 3 (unsigned dynamic8)"
+#define Q4_FORMAT_NAME(name, NAME, id, w4a8_scale) names += #id " (" #name "), ";
+    Q4_FORMATS(Q4_FORMAT_NAME)
+#undef Q4_FORMAT_NAME
+    return finish(q4::Status::Invalid("table must be " + names + "2 (dynamic8) or 3 (unsigned dynamic8), got " +
                                       std::to_string(which)));
+  }
+  const int64_t want = dynamic ? 256 : 16;
   if (out == nullptr || out_size != want)
     return finish(
         q4::Status::Invalid("table output needs " + std::to_string(want) + " floats, got " + std::to_string(out_size)));
-  for (int64_t i = 0; i < want; ++i)
-    out[i] = which == 0   ? q4::nf4::value(int(i))
-             : which == 1 ? q4::fp4::value(int(i))
-             : which == 2 ? q4::dynamic8::kValues.v[i]
-                          : q4::optim8::unsigned_value(int(i));
+  if (dynamic) {
+    for (int64_t i = 0; i < want; ++i)
+      out[i] = which == kDynamicTable ? q4::dynamic8::kValues.v[i] : q4::optim8::unsigned_value(int(i));
+  } else {
+    Q4_QUANT_SWITCH(which, QT, [&] {
+      for (int i = 0; i < 16; ++i) out[i] = q4::Code4<QT>::value(i);
+    });
+  }
   return finish(q4::Status::Ok());
 }
 

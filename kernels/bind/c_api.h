@@ -3,7 +3,7 @@
  * q4_last_error() returns a message for the calling thread. Sizes are element
  * counts; a size that does not match the layout in q4/kernels.h is rejected
  * before any memory is touched. dtype codes: 0 f32, 1 f16, 2 bf16.
- * quant_type: 0 nf4, 1 fp4. */
+ * quant_type: a 4-bit format's id (q4_formats(): 0 nf4, 1 fp4). */
 #pragma once
 #include <stdint.h>
 
@@ -18,8 +18,10 @@ Q4_API int32_t q4_abi_version(void);
 Q4_API int32_t q4_has_cuda(void);
 
 /* Format constants, read by the Python packages (single source of truth). */
+/* The 4-bit formats (q4/formats.h), one per line: "name id\n..." (id: quant_type). */
+Q4_API const char* q4_formats(void);
 Q4_API int32_t q4_code_table(int32_t which, float* out,
-                             int64_t out_size); /* 0 nf4, 1 fp4, 2 dynamic8, 3 unsigned dynamic8 */
+                             int64_t out_size); /* a format's id (16 values), 2 dynamic8, 3 unsigned dynamic8 */
 Q4_API int32_t q4_fp4_rank_order(int32_t* out, int64_t out_size);
 Q4_API int64_t q4_min_blocksize(void);
 Q4_API int64_t q4_max_blocksize(void);

@@ -111,7 +111,7 @@ auto bind_quantize_4bit(B b) {
       .template Ret<ffi::Buffer<ffi::F32>>()  // absmax: [batch * ceil(n/bs)]
       .template Attr<int64_t>("n")            // elements per item
       .template Attr<int64_t>("blocksize")    // power of two in [32, 4096]
-      .template Attr<int64_t>("quant_type");  // 0 nf4, 1 fp4
+      .template Attr<int64_t>("quant_type");  // a QuantType (q4/formats.h)
 }
 
 template <class B>

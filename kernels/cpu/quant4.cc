@@ -68,8 +68,8 @@ Status check_block_args(const float* x, int64_t n_blocks, int64_t blocksize, int
   if (blocksize < kMinBlocksize || blocksize > kMaxBlocksize || (blocksize & (blocksize - 1)) != 0)
     return Status::Invalid("blocksize must be a power of two in [" + std::to_string(kMinBlocksize) + ", " +
                            std::to_string(kMaxBlocksize) + "], got " + std::to_string(blocksize));
-  if (quant_type != kNF4 && quant_type != kFP4)
-    return Status::Invalid("quant_type must be 0 (nf4) or 1 (fp4), got " + std::to_string(quant_type));
+  Status st = validate_quant_type(quant_type);
+  if (!st.ok()) return st;
   if (checked_count(n_blocks, blocksize) < 0)
     return Status::Invalid("n_blocks * blocksize (" + std::to_string(n_blocks) + " * " + std::to_string(blocksize) +
                            ") overflows or exceeds the largest supported count");

@@ -7,28 +7,56 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import numpy as np
 
 from q4._src import native
 
-QUANT_TYPES = ("nf4", "fp4")
-# what a layer can be quantized to: a 4-bit format, or LLM.int8
-LAYER_TYPES = (*QUANT_TYPES, "int8")
-QUANT_TYPE_CODES = {"nf4": 0, "fp4": 1}
 # dtype name -> kernel dtype code (part of the C ABI)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+# q4_code_table's indices of the 8-bit dynamic maps (every other index is a 4-bit format's code)
+_DYNAMIC_TABLES = {"dynamic": 2, "udynamic": 3}
+
+
+@functools.cache
+def quant_type_codes() -> dict[str, int]:
+    """The 4-bit formats, name -> kernel code (quant_type), in the library's
+    order: its format list (kernels/include/q4/formats.h, read through
+    q4_formats()) is the only list of them."""
+    return native.formats()
+
+
+def __getattr__(name: str) -> Any:
+    # The format names are the library's (read when first asked for, which
+    # loads it): QUANT_TYPES (the 4-bit formats), QUANT_TYPE_CODES (name ->
+    # kernel code) and LAYER_TYPES (what a layer can be quantized to: a 4-bit
+    # format, or LLM.int8).
+    if name == "QUANT_TYPE_CODES":
+        return quant_type_codes()
+    if name == "QUANT_TYPES":
+        return tuple(quant_type_codes())
+    if name == "LAYER_TYPES":
+        return (*quant_type_codes(), "int8")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _quoted(names) -> str:
+    """'a', 'b' or 'c'."""
+    names = [repr(n) for n in names]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 @functools.cache
 def code_table(which: str) -> np.ndarray:
-    """The code book 'nf4' or 'fp4' (16 fp32 values indexed by nibble),
-    'dynamic' (the 256-entry signed 8-bit dynamic map) or 'udynamic' (the
-    unsigned one, of the 8-bit optimizers' second state), as a read-only array."""
-    index = {"nf4": 0, "fp4": 1, "dynamic": 2, "udynamic": 3}
+    """The code book of a 4-bit format ('nf4', 'fp4': 16 fp32 values indexed
+    by nibble), 'dynamic' (the 256-entry signed 8-bit dynamic map) or
+    'udynamic' (the unsigned one, of the 8-bit optimizers' second state), as a
+    read-only array."""
+    index = {**quant_type_codes(), **_DYNAMIC_TABLES}
     if which not in index:
         raise ValueError(f"code table must be one of {sorted(index)}, got {which!r}")
-    out = np.empty(256 if which in ("dynamic", "udynamic") else 16, np.float32)
+    out = np.empty(256 if which in _DYNAMIC_TABLES else 16, np.float32)
     native.check(native.lib().q4_code_table(index[which], out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size))
     out.setflags(write=False)
     return out
@@ -101,16 +129,19 @@ def check_w4a8_features(k: int, blocksize: int) -> None:
 
 
 def check_quant_type(quant_type: str) -> int:
-    """The kernel code of 'nf4' or 'fp4'; anything else (including a non-string) raises ValueError."""
-    if not isinstance(quant_type, str) or quant_type not in QUANT_TYPE_CODES:
-        raise ValueError(f"quant_type must be 'nf4' or 'fp4', got {short_repr(quant_type)}")
-    return QUANT_TYPE_CODES[quant_type]
+    """The kernel code of a 4-bit format ('nf4', 'fp4'); anything else
+    (including a non-string) raises ValueError."""
+    codes = quant_type_codes()
+    if not isinstance(quant_type, str) or quant_type not in codes:
+        raise ValueError(f"quant_type must be {_quoted(codes)}, got {short_repr(quant_type)}")
+    return codes[quant_type]
 
 
 def check_layer_type(quant_type: str, what: str = "quant_type") -> str:
     """'nf4', 'fp4' or 'int8' (what a layer is quantized to); anything else raises ValueError."""
-    if not isinstance(quant_type, str) or quant_type not in LAYER_TYPES:
-        raise ValueError(f"{what} must be one of {', '.join(LAYER_TYPES)}, got {short_repr(quant_type)}")
+    layer_types = (*quant_type_codes(), "int8")
+    if not isinstance(quant_type, str) or quant_type not in layer_types:
+        raise ValueError(f"{what} must be one of {', '.join(layer_types)}, got {short_repr(quant_type)}")
     return quant_type
 
 

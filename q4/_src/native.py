@@ -70,6 +70,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_set_cpu_fork_join": (None, [c_void_p]),
     "q4_cpu_fork_join": (c_void_p, []),
     "q4_ops": (ctypes.c_char_p, []),
+    "q4_formats": (ctypes.c_char_p, []),
 }
 
 # C parameter types of the op list -> ctypes (every pointer is passed as an address)
@@ -97,6 +98,25 @@ def parse_ops(text: str) -> dict[str, list[Any]]:
                 raise NativeLibraryError(f"op {name}: parameter type {ctype!r} has no ctypes mapping")
         ops[name] = argtypes
     return ops
+
+
+def parse_formats(text: str) -> dict[str, int]:
+    """The format list returned by q4_formats() ("name id" per line) as
+    {name: kernel code}; the formats' single source is kernels/include/q4/formats.h."""
+    formats: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        name, _, code = line.partition(" ")
+        if not name.isidentifier() or not code.isdigit():
+            raise NativeLibraryError(f"malformed format entry {line!r} in the library's format list")
+        formats[name] = int(code)
+    return formats
+
+
+def formats() -> dict[str, int]:
+    """The loaded library's 4-bit formats, name -> kernel code (quant_type)."""
+    return dict(parse_formats(lib().q4_formats().decode()))
 
 
 _CUDA_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {

@@ -19,9 +19,6 @@ namespace q4 {
 // Element types a kernel reads or writes. Values are part of the C ABI.
 enum DType : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kU8 = 3, kI8 = 4, kI32 = 5 };
 
-// 4-bit code books. Values are part of the C ABI.
-enum QuantType : int32_t { kNF4 = 0, kFP4 = 1 };
-
 // Error codes returned by every entry point. Values are part of the C ABI.
 enum StatusCode : int32_t {
   kOk = 0,

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "q4/common.h"
+#include "q4/formats.h"
 
 namespace q4 {
 
@@ -288,6 +289,8 @@ Status optimizer_update_8bit(const Optim8bitParams& p, void* stream);
 #endif
 
 // Argument checks shared by the CPU and CUDA ops (kernels/validate.cc).
+// quant_type: a format of q4/formats.h ("quant_type must be 0 (nf4) or 1 (fp4), got ...").
+Status validate_quant_type(int64_t quant_type);
 Status validate(const Gemm4bitParams& p);
 // validate(p), and k a multiple of W4A8's activation block (q4/w4a8.h)
 Status validate_w4a8(const Gemm4bitParams& p);

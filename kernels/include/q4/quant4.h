@@ -1,43 +1,45 @@
-// Dispatch over the two 4-bit code books with the quant type fixed at compile
-// time (see Q4_QUANT_SWITCH).
+// Dispatch over the 4-bit formats (q4/formats.h) with the quant type fixed
+// at compile time (Q4_QUANT_SWITCH), and over the float dtypes
+// (Q4_DTYPE_SWITCH). Host code only.
 #pragma once
 
-#include "q4/fp4.h"
-#include "q4/nf4.h"
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
+#include "q4/formats.h"
 #include "q4/packing.h"
 
 namespace q4 {
 
-template <QuantType QT>
-struct Code4;
-template <>
-struct Code4<kNF4> {
-  Q4_HD static int encode(float s) { return nf4::encode(s); }
-  Q4_HD static float decode(int q) { return nf4::decode(q); }
-  Q4_HD static float midpoint(int r) { return nf4::midpoint(r); }
-  Q4_HD static int nibble_of_rank(int r) { return nf4::nibble_of_rank(r); }
-};
-template <>
-struct Code4<kFP4> {
-  Q4_HD static int encode(float s) { return fp4::encode(s); }
-  Q4_HD static float decode(int q) { return fp4::decode(q); }
-  Q4_HD static float midpoint(int r) { return fp4::midpoint(r); }
-  Q4_HD static int nibble_of_rank(int r) { return fp4::nibble_of_rank(r); }
-};
+// A QuantType no format has reached a kernel: every entry point validates
+// quant_type first, so this is a programming error.
+[[noreturn]] inline void unknown_quant_type(int64_t qt) {
+  std::fprintf(stderr, "q4: unknown quant_type %lld reached a kernel (not validated)\n", static_cast<long long>(qt));
+  std::abort();
+}
+
+// f(std::integral_constant<QuantType, qt>{}) for the format qt.
+template <typename F>
+auto quant_switch(int64_t qt, F&& f) {
+  switch (qt) {
+#define Q4_FORMAT_CASE(name, NAME, id, w4a8_scale) \
+  case k##NAME:                                    \
+    return f(std::integral_constant<QuantType, k##NAME>{});
+    Q4_FORMATS(Q4_FORMAT_CASE)
+#undef Q4_FORMAT_CASE
+  }
+  unknown_quant_type(qt);
+}
 
 }  // namespace q4
 
 // Q4_QUANT_SWITCH(qt, QT, ...): run the body with `constexpr QuantType QT`.
-#define Q4_QUANT_SWITCH(qt, QT, ...)             \
-  [&] {                                          \
-    if ((qt) == ::q4::kNF4) {                    \
-      constexpr ::q4::QuantType QT = ::q4::kNF4; \
-      return __VA_ARGS__();                      \
-    } else {                                     \
-      constexpr ::q4::QuantType QT = ::q4::kFP4; \
-      return __VA_ARGS__();                      \
-    }                                            \
-  }()
+#define Q4_QUANT_SWITCH(qt, QT, ...)                               \
+  ::q4::quant_switch((qt), [&]([[maybe_unused]] auto q4_format_) { \
+    constexpr ::q4::QuantType QT = decltype(q4_format_)::value;    \
+    return __VA_ARGS__();                                          \
+  })
 
 // Q4_DTYPE_SWITCH(dt, T, ...): run the body with T = float / f16_t / bf16_t.
 #define Q4_DTYPE_SWITCH(dt, T, ...)  \

@@ -37,7 +37,7 @@ Q4_HD int64_t act_block(int64_t blocksize) { return blocksize < kMaxActBlock ? b
 
 template <QuantType QT>
 Q4_HDC float table_scale() {
-  return QT == kNF4 ? 112.0f : 120.0f;
+  return Code4<QT>::table_scale();  // q4/formats.h
 }
 // fp32(1 / S): sw = absmax * inv_table_scale (a product: a division per block
 // costs the vector decode a tenth of its time)

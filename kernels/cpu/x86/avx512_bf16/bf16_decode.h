@@ -46,7 +46,9 @@ inline __m512 dot(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(ac
 // The 16 fp32 codes of the format.
 inline __m512 code_table(QuantType qt) {
   alignas(64) float t[16];
-  for (int q = 0; q < 16; ++q) t[q] = qt == kNF4 ? Code4<kNF4>::decode(q) : Code4<kFP4>::decode(q);
+  Q4_QUANT_SWITCH(qt, QT, [&] {
+    for (int q = 0; q < 16; ++q) t[q] = Code4<QT>::decode(q);
+  });
   return _mm512_load_ps(t);
 }
 
