@@ -34,9 +34,8 @@ const char* q4_formats(void) {
 
 // Tables 2 and 3 are the 8-bit dynamic maps; every other index is a format's id.
 constexpr int32_t kDynamicTable = 2, kUnsignedDynamicTable = 3;
-#define Q4_FORMAT_ID_FREE(name, NAME, id, w4a8_scale)                                                             \
-  static_assert(id != kDynamicTable && id != kUnsignedDynamicTable, "q4_code_table: " #name "'s id is a dynamic " \
-                                                                                            "map's");
+#define Q4_FORMAT_ID_FREE(name, NAME, id, w4a8_scale) \
+  static_assert(id != kDynamicTable && id != kUnsignedDynamicTable, "ids 2 and 3 are the dynamic maps");
 Q4_FORMATS(Q4_FORMAT_ID_FREE)
 #undef Q4_FORMAT_ID_FREE
 
@@ -114,7 +113,7 @@ const char* q4_ops(void) {
 }
 
 #define Q4_OP(name, params, args) \
-  int32_t q4_##name params { return finish(q4::cpu::name(q4::capi::name args)); }
+  int32_t q4_##name params { return finish(q4::cpu::name(Q4_CAPI_PARAMS(name, args))); }
 #include "c_api_ops.inc"
 #undef Q4_OP
 

@@ -24,8 +24,10 @@ int32_t q4_cuda_device_count(void) {
   return n;
 }
 
-#define Q4_OP(name, params, args) \
-  int32_t q4_cuda_##name(Q4_STRIP params, void* stream) { return finish(q4::cuda::name(q4::capi::name args, stream)); }
+#define Q4_OP(name, params, args)                                      \
+  int32_t q4_cuda_##name(Q4_STRIP params, void* stream) {              \
+    return finish(q4::cuda::name(Q4_CAPI_PARAMS(name, args), stream)); \
+  }
 #include "c_api_ops.inc"
 #undef Q4_OP
 

@@ -1,9 +1,17 @@
 // The params structs of q4/kernels.h built from the C ABI argument lists,
-// shared by the CPU (c_api.cc) and CUDA (c_api_cuda.cu) entry points.
+// shared by the CPU (c_api.cc) and CUDA (c_api_cuda.cu) entry points. There
+// is one builder for every op: Q4_CAPI_PARAMS(name, (arguments)) sets each
+// field of q4::cpu::name's params struct from the argument of the same name
+// (c_api_ops.inc), converted to the field's type (dtype and quant_type codes
+// to their enums, add_offset to bool); the 4-bit matmuls' block-scale
+// arguments fill p.scales (Absmax4), whose plain absmax is dropped when the
+// scales are nested. An argument without a field of its name does not
+// compile.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "q4/kernels.h"
 
@@ -23,228 +31,87 @@ inline int32_t finish(const Status& s) {
   return s.code;
 }
 
-inline Quantize4bitParams quantize_4bit(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize,
-                                        int32_t quant_type, uint8_t* packed, int64_t packed_size, float* absmax,
-                                        int64_t absmax_size) {
-  Quantize4bitParams p;
-  p.x = x;
-  p.x_dtype = static_cast<DType>(x_dtype);
-  p.n = n;
-  p.blocksize = blocksize;
-  p.quant_type = static_cast<QuantType>(quant_type);
-  p.packed = packed;
-  p.packed_size = packed_size;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  return p;
+// The params struct P of an op's entry point Status (*)(const P&).
+template <typename Fn>
+struct ParamsOfFn;
+template <typename P>
+struct ParamsOfFn<Status (*)(const P&)> {
+  using type = P;
+};
+template <typename Fn>
+using ParamsOf = typename ParamsOfFn<Fn>::type;
+
+// field = the argument, as the field's type.
+template <typename F, typename A>
+void set(F& field, A arg) {
+  field = static_cast<F>(arg);
 }
 
-inline Dequantize4bitParams dequantize_4bit(const uint8_t* packed, int64_t packed_size, const float* absmax,
-                                            int64_t absmax_size, int64_t n, int64_t blocksize, int32_t quant_type,
-                                            void* out, int32_t out_dtype) {
-  Dequantize4bitParams p;
-  p.packed = packed;
-  p.packed_size = packed_size;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  p.n = n;
-  p.blocksize = blocksize;
-  p.quant_type = static_cast<QuantType>(quant_type);
-  p.out = out;
-  p.out_dtype = static_cast<DType>(out_dtype);
-  return p;
-}
-
-inline QuantizeBlockwiseParams quantize_blockwise(const void* x, int32_t x_dtype, int64_t n, int64_t blocksize,
-                                                  const float* code, uint8_t* codes, int64_t codes_size, float* absmax,
-                                                  int64_t absmax_size) {
-  QuantizeBlockwiseParams p;
-  p.x = x;
-  p.x_dtype = static_cast<DType>(x_dtype);
-  p.n = n;
-  p.blocksize = blocksize;
-  p.code = code;
-  p.codes = codes;
-  p.codes_size = codes_size;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  return p;
-}
-
-inline DequantizeBlockwiseParams dequantize_blockwise(const uint8_t* codes, int64_t n, const float* absmax,
-                                                      int64_t absmax_size, int64_t blocksize, const float* code,
-                                                      int32_t add_offset, float offset, void* out, int32_t out_dtype) {
-  DequantizeBlockwiseParams p;
-  p.codes = codes;
-  p.n = n;
-  p.absmax = absmax;
-  p.absmax_size = absmax_size;
-  p.blocksize = blocksize;
-  p.code = code;
-  p.add_offset = add_offset != 0;
-  p.offset = offset;
-  p.out = out;
-  p.out_dtype = static_cast<DType>(out_dtype);
-  return p;
-}
-
-inline QuantizeNestedParams quantize_nested(const float* absmax, int64_t n_blocks, uint8_t* codes, float* absmax2,
-                                            int64_t absmax2_size, float* offset) {
-  QuantizeNestedParams p;
-  p.absmax = absmax;
-  p.n_blocks = n_blocks;
-  p.codes = codes;
-  p.absmax2 = absmax2;
-  p.absmax2_size = absmax2_size;
-  p.offset = offset;
-  return p;
-}
-
-inline Absmax4 scales(const float* absmax, const uint8_t* nested_codes, const float* nested_absmax,
-                      int64_t nested_absmax_size, const float* nested_code, float nested_offset, int64_t n_blocks) {
-  Absmax4 a;
-  a.absmax = nested_codes ? nullptr : absmax;
-  a.nested_codes = nested_codes;
-  a.nested_absmax = nested_absmax;
-  a.nested_absmax_size = nested_absmax_size;
-  a.nested_code = nested_code;
-  a.nested_offset = nested_offset;
-  a.n_blocks = n_blocks;
-  return a;
-}
-
-inline Gemm4bitParams gemm_4bit(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k, const uint8_t* packed,
-                                int64_t packed_size, const float* absmax, const uint8_t* nested_codes,
-                                const float* nested_absmax, int64_t nested_absmax_size, const float* nested_code,
-                                float nested_offset, int64_t n_blocks, int64_t blocksize, int32_t quant_type,
-                                const void* bias, int32_t bias_dtype, void* out, int32_t out_dtype) {
-  Gemm4bitParams p;
-  p.x = x;
-  p.x_dtype = static_cast<DType>(x_dtype);
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.packed = packed;
-  p.packed_size = packed_size;
-  p.scales = scales(absmax, nested_codes, nested_absmax, nested_absmax_size, nested_code, nested_offset, n_blocks);
-  p.blocksize = blocksize;
-  p.quant_type = static_cast<QuantType>(quant_type);
-  p.bias = bias;
-  p.bias_dtype = static_cast<DType>(bias_dtype);
-  p.out = out;
-  p.out_dtype = static_cast<DType>(out_dtype);
-  return p;
-}
-
-// gemm_4bit_w4a8 takes gemm_4bit's arguments.
-template <typename... A>
-Gemm4bitParams gemm_4bit_w4a8(A... args) {
-  return gemm_4bit(args...);
-}
-
-inline Gemm4bitGradInputParams gemm_4bit_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n,
-                                                    int64_t k, const uint8_t* packed, int64_t packed_size,
-                                                    const float* absmax, const uint8_t* nested_codes,
-                                                    const float* nested_absmax, int64_t nested_absmax_size,
-                                                    const float* nested_code, float nested_offset, int64_t n_blocks,
-                                                    int64_t blocksize, int32_t quant_type, void* grad_input,
-                                                    int32_t grad_input_dtype) {
-  Gemm4bitGradInputParams p;
-  p.grad_out = grad_out;
-  p.grad_out_dtype = static_cast<DType>(grad_out_dtype);
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.packed = packed;
-  p.packed_size = packed_size;
-  p.scales = scales(absmax, nested_codes, nested_absmax, nested_absmax_size, nested_code, nested_offset, n_blocks);
-  p.blocksize = blocksize;
-  p.quant_type = static_cast<QuantType>(quant_type);
-  p.grad_input = grad_input;
-  p.grad_input_dtype = static_cast<DType>(grad_input_dtype);
-  return p;
-}
-
-inline Int8QuantizeRowsParams int8_quantize_rows(const void* x, int32_t x_dtype, int64_t rows, int64_t cols,
-                                                 float threshold, int8_t* q, float* row_stats, uint8_t* outlier_cols) {
-  Int8QuantizeRowsParams p;
-  p.x = x;
-  p.x_dtype = static_cast<DType>(x_dtype);
-  p.rows = rows;
-  p.cols = cols;
-  p.threshold = threshold;
-  p.q = q;
-  p.row_stats = row_stats;
-  p.outlier_cols = outlier_cols;
-  return p;
-}
-
-inline Int8LinearParams int8_linear(const void* x, int32_t x_dtype, int64_t m, int64_t n, int64_t k,
-                                    const int8_t* weight, const float* weight_scale, float threshold, const void* bias,
-                                    int32_t bias_dtype, void* out, int32_t out_dtype) {
-  Int8LinearParams p;
-  p.x = x;
-  p.x_dtype = static_cast<DType>(x_dtype);
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.weight = weight;
-  p.weight_scale = weight_scale;
-  p.threshold = threshold;
-  p.bias = bias;
-  p.bias_dtype = static_cast<DType>(bias_dtype);
-  p.out = out;
-  p.out_dtype = static_cast<DType>(out_dtype);
-  return p;
-}
-
-inline Int8GradInputParams int8_grad_input(const void* grad_out, int32_t grad_out_dtype, int64_t m, int64_t n,
-                                           int64_t k, const int8_t* weight, const float* weight_scale, void* grad_input,
-                                           int32_t grad_input_dtype) {
-  Int8GradInputParams p;
-  p.grad_out = grad_out;
-  p.grad_out_dtype = static_cast<DType>(grad_out_dtype);
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.weight = weight;
-  p.weight_scale = weight_scale;
-  p.grad_input = grad_input;
-  p.grad_input_dtype = static_cast<DType>(grad_input_dtype);
-  return p;
-}
-
-inline Optim8bitParams optimizer_update_8bit(int32_t optimizer, void* param, int32_t param_dtype, const void* grad,
-                                             int32_t grad_dtype, int64_t n, uint8_t* state1, float* absmax1,
-                                             const float* qmap1, uint8_t* state2, float* absmax2, const float* qmap2,
-                                             int64_t absmax_size, int64_t step, double lr, double beta1, double beta2,
-                                             double eps, double weight_decay, double gnorm_scale,
-                                             int32_t* skipped_blocks, float* update) {
-  Optim8bitParams p;
-  p.optimizer = optimizer;
-  p.param = param;
-  p.param_dtype = static_cast<DType>(param_dtype);
-  p.grad = grad;
-  p.grad_dtype = static_cast<DType>(grad_dtype);
-  p.n = n;
-  p.state1 = state1;
-  p.absmax1 = absmax1;
-  p.qmap1 = qmap1;
-  p.state2 = state2;
-  p.absmax2 = absmax2;
-  p.qmap2 = qmap2;
-  p.absmax_size = absmax_size;
-  p.step = step;
-  p.lr = lr;
-  p.beta1 = beta1;
-  p.beta2 = beta2;
-  p.eps = eps;
-  p.weight_decay = weight_decay;
-  p.gnorm_scale = gnorm_scale;
-  p.skipped_blocks = skipped_blocks;
-  p.update = update;
-  return p;
+// Nested block scales replace the plain ones (a caller may pass both).
+template <typename P>
+void finish_params(P& p) {
+  auto has_scales = [](auto& r) -> decltype((void)r.scales, true) { return true; };
+  if constexpr (std::is_invocable_v<decltype(has_scales), P&>) {
+    if (p.scales.nested()) p.scales.absmax = nullptr;
+  }
 }
 
 }  // namespace capi
 }  // namespace q4
+
+// Q4_CAPI_FOR_EACH(F, a, b, ...): F(a) F(b) ... for up to 24 arguments.
+#define Q4_CAPI_EXPAND(x) x
+#define Q4_CAPI_FE1(F, a) F(a)
+#define Q4_CAPI_FE2(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE1(F, __VA_ARGS__))
+#define Q4_CAPI_FE3(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE2(F, __VA_ARGS__))
+#define Q4_CAPI_FE4(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE3(F, __VA_ARGS__))
+#define Q4_CAPI_FE5(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE4(F, __VA_ARGS__))
+#define Q4_CAPI_FE6(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE5(F, __VA_ARGS__))
+#define Q4_CAPI_FE7(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE6(F, __VA_ARGS__))
+#define Q4_CAPI_FE8(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE7(F, __VA_ARGS__))
+#define Q4_CAPI_FE9(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE8(F, __VA_ARGS__))
+#define Q4_CAPI_FE10(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE9(F, __VA_ARGS__))
+#define Q4_CAPI_FE11(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE10(F, __VA_ARGS__))
+#define Q4_CAPI_FE12(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE11(F, __VA_ARGS__))
+#define Q4_CAPI_FE13(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE12(F, __VA_ARGS__))
+#define Q4_CAPI_FE14(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE13(F, __VA_ARGS__))
+#define Q4_CAPI_FE15(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE14(F, __VA_ARGS__))
+#define Q4_CAPI_FE16(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE15(F, __VA_ARGS__))
+#define Q4_CAPI_FE17(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE16(F, __VA_ARGS__))
+#define Q4_CAPI_FE18(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE17(F, __VA_ARGS__))
+#define Q4_CAPI_FE19(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE18(F, __VA_ARGS__))
+#define Q4_CAPI_FE20(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE19(F, __VA_ARGS__))
+#define Q4_CAPI_FE21(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE20(F, __VA_ARGS__))
+#define Q4_CAPI_FE22(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE21(F, __VA_ARGS__))
+#define Q4_CAPI_FE23(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE22(F, __VA_ARGS__))
+#define Q4_CAPI_FE24(F, a, ...) F(a) Q4_CAPI_EXPAND(Q4_CAPI_FE23(F, __VA_ARGS__))
+#define Q4_CAPI_PICK(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19, _20, _21, \
+                     _22, _23, _24, N, ...)                                                                          \
+  N
+#define Q4_CAPI_FOR_EACH(F, ...)                                                                                  \
+  Q4_CAPI_EXPAND(Q4_CAPI_PICK(__VA_ARGS__, Q4_CAPI_FE24, Q4_CAPI_FE23, Q4_CAPI_FE22, Q4_CAPI_FE21, Q4_CAPI_FE20,  \
+                              Q4_CAPI_FE19, Q4_CAPI_FE18, Q4_CAPI_FE17, Q4_CAPI_FE16, Q4_CAPI_FE15, Q4_CAPI_FE14, \
+                              Q4_CAPI_FE13, Q4_CAPI_FE12, Q4_CAPI_FE11, Q4_CAPI_FE10, Q4_CAPI_FE9, Q4_CAPI_FE8,   \
+                              Q4_CAPI_FE7, Q4_CAPI_FE6, Q4_CAPI_FE5, Q4_CAPI_FE4, Q4_CAPI_FE3, Q4_CAPI_FE2,       \
+                              Q4_CAPI_FE1)(F, __VA_ARGS__))
+
+// p.a = a where the params struct has a field a, else p.scales.a (the 4-bit
+// matmuls' block scales). The detection needs a generic lambda (C++17).
+#define Q4_CAPI_SET(a)                                                                  \
+  [&](auto& q4_params_) {                                                               \
+    auto has_field = [](auto& q4_r_) -> decltype((void)q4_r_.a, true) { return true; }; \
+    if constexpr (std::is_invocable_v<decltype(has_field), decltype(q4_params_)>)       \
+      ::q4::capi::set(q4_params_.a, a);                                                 \
+    else                                                                                \
+      ::q4::capi::set(q4_params_.scales.a, a);                                          \
+  }(q4_params_);
+
+#define Q4_CAPI_STRIP(...) __VA_ARGS__
+// The params struct of op `name` from its argument names (a c_api_ops.inc entry's third element).
+#define Q4_CAPI_PARAMS(name, args)                                    \
+  [&] {                                                               \
+    ::q4::capi::ParamsOf<decltype(&::q4::cpu::name)> q4_params_;      \
+    Q4_CAPI_EXPAND(Q4_CAPI_FOR_EACH(Q4_CAPI_SET, Q4_CAPI_STRIP args)) \
+    ::q4::capi::finish_params(q4_params_);                            \
+    return q4_params_;                                                \
+  }()

@@ -107,7 +107,6 @@ def test_an_op_is_one_entry():
     lists = _files_naming_all(ops, dirs=("kernels", "q4"))
     assert lists <= {
         "kernels/bind/c_api_ops.inc",
-        "kernels/bind/c_api_params.h",
         "kernels/bind/xla_ffi.cc",
         "kernels/bind/xla_ffi_cuda.cu",
         "kernels/bind/xla_ffi_batched.h",
