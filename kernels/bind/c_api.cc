@@ -87,6 +87,12 @@ int64_t q4_nested_blocksize(void) { return q4::kNestedBlocksize; }
 int64_t q4_w4a8_act_block(int64_t blocksize) { return q4::w4a8::act_block(blocksize); }
 
 int32_t q4_cpu_isa(void) { return q4::cpu_isa(); }
+const char* q4_cpu_isa_names(void) {
+#define Q4_ISA_LINE(name, Name) #name "\n"
+  return Q4_ISA_LEVELS(Q4_ISA_LINE);
+#undef Q4_ISA_LINE
+}
+int32_t q4_cpu_has_isa(int32_t isa) { return q4::cpu_has_isa(isa) ? 1 : 0; }
 int32_t q4_cpu_has_avx2(void) { return q4::cpu_has_avx2() ? 1 : 0; }
 int32_t q4_cpu_has_avx512(void) { return q4::cpu_has_avx512() ? 1 : 0; }
 int32_t q4_cpu_has_avx512_bf16(void) { return q4::cpu_has_avx512_bf16() ? 1 : 0; }

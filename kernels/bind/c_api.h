@@ -34,6 +34,9 @@ Q4_API int32_t q4_encode_4bit(const float* x, int64_t n_blocks, int64_t blocksiz
 Q4_API int64_t q4_w4a8_act_block(int64_t blocksize);                 /* W4A8's activation block (q4/w4a8.h) */
 
 Q4_API int32_t q4_cpu_isa(void);
+/* The ISA levels, lowest first, one name per line (the index is the isa code). */
+Q4_API const char* q4_cpu_isa_names(void);
+Q4_API int32_t q4_cpu_has_isa(int32_t isa);
 Q4_API int32_t q4_cpu_has_avx2(void);
 Q4_API int32_t q4_cpu_has_avx512(void);
 Q4_API int32_t q4_cpu_has_avx512_bf16(void);

@@ -85,8 +85,12 @@ const Features& features() {
   return f;
 }
 
-constexpr const char* kLevelNames[] = {"scalar", "avx2", "avx512", "avx512_bf16", "amx"};
-constexpr int kLevels = 5;
+constexpr const char* kLevelNames[] = {
+#define Q4_ISA_NAME(name, Name) #name,
+    Q4_ISA_LEVELS(Q4_ISA_NAME)
+#undef Q4_ISA_NAME
+};
+constexpr int kLevels = kIsaLevels;
 
 Isa best_isa() {
   const Features& f = features();
@@ -152,9 +156,11 @@ cpu::KernelTable build_table(Isa isa) {
 }
 
 const cpu::KernelTable& table_of(Isa isa) {
-  static const cpu::KernelTable tables[kLevels] = {build_table(kIsaScalar), build_table(kIsaAvx2),
-                                                   build_table(kIsaAvx512), build_table(kIsaAvx512Bf16),
-                                                   build_table(kIsaAmx)};
+  static const cpu::KernelTable tables[kLevels] = {
+#define Q4_ISA_TABLE(name, Name) build_table(kIsa##Name),
+      Q4_ISA_LEVELS(Q4_ISA_TABLE)
+#undef Q4_ISA_TABLE
+  };
   return tables[isa];
 }
 
@@ -197,11 +203,15 @@ bool cpu_has_avx512_bf16() { return best_isa() >= kIsaAvx512Bf16; }
 bool cpu_has_amx() { return best_isa() >= kIsaAmx; }
 Isa cpu_isa() { return static_cast<Isa>(g_isa.load(std::memory_order_relaxed)); }
 const char* cpu_isa_name(int32_t isa) { return isa >= 0 && isa < kLevels ? kLevelNames[isa] : ""; }
+bool cpu_has_isa(int32_t isa) { return isa >= 0 && isa <= best_isa(); }
 
 Status set_cpu_isa(int32_t isa) {
-  if (isa < kIsaScalar || isa >= kLevels)
-    return Status::Invalid("isa must be 0 (scalar), 1 (avx2), 2 (avx512), 3 (avx512_bf16) or 4 (amx), got " +
-                           std::to_string(isa));
+  if (isa < kIsaScalar || isa >= kLevels) {
+    std::string levels;  // "0 (scalar), 1 (avx2), ... or 4 (amx)"
+    for (int i = 0; i < kLevels; ++i)
+      levels += (i == 0 ? "" : i + 1 == kLevels ? " or " : ", ") + std::to_string(i) + " (" + kLevelNames[i] + ")";
+    return Status::Invalid("isa must be " + levels + ", got " + std::to_string(isa));
+  }
   if (isa > best_isa())
     return {kUnsupported, std::string("this processor does not support isa ") + kLevelNames[isa] +
                               "; the best it supports is " + kLevelNames[best_isa()]};

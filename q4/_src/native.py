@@ -71,6 +71,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "q4_cpu_fork_join": (c_void_p, []),
     "q4_ops": (ctypes.c_char_p, []),
     "q4_formats": (ctypes.c_char_p, []),
+    "q4_cpu_isa_names": (ctypes.c_char_p, []),
+    "q4_cpu_has_isa": (c_int32, [c_int32]),
 }
 
 # C parameter types of the op list -> ctypes (every pointer is passed as an address)
@@ -133,7 +135,6 @@ def _load() -> ctypes.CDLL:
     global _lib, _path
     if _lib is not None:
         return _lib
-    _check_env()
     tried = []
     for path in _candidates():
         if not path.exists():
@@ -157,6 +158,7 @@ def _load() -> ctypes.CDLL:
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
+        _check_env(lib)
         _OPS.clear()
         _OPS.update(ops)
         abi = lib.q4_abi_version()
@@ -213,16 +215,21 @@ def cuda_device_count() -> int:
     return int(lib().q4_cuda_device_count()) if has_cuda() else 0
 
 
-ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512", 3: "avx512_bf16", 4: "amx"}
+def isa_names(handle: ctypes.CDLL | None = None) -> dict[int, str]:
+    """The library's ISA levels, isa code -> name, lowest first (the level
+    list Q4_ISA_LEVELS in kernels/include/q4/kernels.h)."""
+    text = (handle or lib()).q4_cpu_isa_names().decode()
+    return dict(enumerate(line for line in text.splitlines() if line))
 
 
-def _check_env() -> None:
+def _check_env(handle: ctypes.CDLL | None = None) -> None:
     """Q4_ISA must name a level, Q4_L1D_BYTES (the L1 data cache size the
     kernels tune for, instead of the detected one) be a positive byte count:
     the library itself ignores a value it cannot use."""
     env = os.environ.get("Q4_ISA")
-    if env is not None and env not in ISA_NAMES.values():
-        raise NativeLibraryError(f"Q4_ISA must be one of {', '.join(ISA_NAMES.values())}, got {env!r}")
+    names = isa_names(handle).values() if env is not None else ()
+    if env is not None and env not in names:
+        raise NativeLibraryError(f"Q4_ISA must be one of {', '.join(names)}, got {env!r}")
     env = os.environ.get("Q4_L1D_BYTES")
     if env is not None and not (env.isascii() and env.isdigit() and int(env) > 0):
         raise NativeLibraryError(f"Q4_L1D_BYTES must be a positive number of bytes, got {env!r}")
@@ -231,13 +238,13 @@ def _check_env() -> None:
 def cpu_isa() -> str:
     """The ISA level the CPU kernels use now: 'scalar', 'avx2', 'avx512',
     'avx512_bf16' or 'amx' (each implies the ones before it)."""
-    return ISA_NAMES[lib().q4_cpu_isa()]
+    return isa_names()[lib().q4_cpu_isa()]
 
 
 def set_cpu_isa(isa: str) -> None:
     """Force the CPU kernels onto one ISA level (also: env Q4_ISA). A level the
     processor lacks raises KernelError; an unknown name ValueError."""
-    codes = {v: k for k, v in ISA_NAMES.items()}
+    codes = {v: k for k, v in isa_names().items()}
     if not isinstance(isa, str) or isa not in codes:
         raise ValueError(f"isa must be one of {', '.join(codes)}, got {isa!r}")
     check(lib().q4_set_cpu_isa(codes[isa]))

@@ -142,3 +142,29 @@ def test_the_isa_units_have_no_stubs_or_own_preamble():
     for path in sorted((ROOT / "kernels/cpu").rglob("*")):
         if path.suffix in CPP and path.name != "isa.cc":
             assert "cpu_isa()" not in _cpp_code(path.read_text()), path
+
+
+def test_an_isa_level_touches_at_most_six_files():
+    """Adding an ISA level (README 'Checklist: adding an ISA level'): its row
+    in Q4_ISA_LEVELS (include/q4/kernels.h), its feature test and kernels in
+    cpu/isa.cc, its entries in cpu/dispatch.h, its target features in
+    cpu/x86/unit.h, its units cpu/x86/<level>/*.cc (the builds take the
+    folder), and its row in README's level table. Python reads the names
+    through q4_cpu_isa_names(). Beyond these, only tests name every level
+    (their per-level expectations)."""
+    names = native.isa_names()
+    assert list(names) == list(range(len(names))) and names[0] == "scalar"
+    camel = {n: "".join(part.capitalize() for part in n.split("_")) for n in names.values()}
+    lists = _files_naming_all(names.values(), cpp_regex=lambda n: rf"\bkIsa{camel[n]}\b|\b{n}\b")
+    assert lists <= {"kernels/include/q4/kernels.h", "kernels/cpu/isa.cc", "kernels/cpu/dispatch.h"}, sorted(lists)
+    unit = (ROOT / "kernels/cpu/x86/unit.h").read_text()
+    assert all(f"#define Q4_FEATURES_{n} " in unit for n in names.values() if n != "scalar")
+    touched = {
+        "kernels/include/q4/kernels.h",
+        "kernels/cpu/isa.cc",
+        "kernels/cpu/dispatch.h",
+        "kernels/cpu/x86/unit.h",
+        "kernels/cpu/x86/<level>/<op>.cc",
+        "kernels/README.md",
+    }
+    assert len(touched) <= 6

@@ -19,6 +19,7 @@ from q4_reference import inputs
 from q4_reference import int8_oracle as oracle
 
 import q4
+from q4._src import native
 
 DTYPES = inputs.DTYPES
 F32 = np.float32
@@ -295,16 +296,7 @@ INT8_KERNEL = {
 def test_every_level_agrees_bit_for_bit():
     """Every CPU level the processor has gives the scalar path's bytes (the
     integer sums are exact, the fp32 epilogue the same), and runs its own kernel."""
-    levels = [
-        name
-        for name, ok in (
-            ("avx2", q4.cpu_has_avx2()),
-            ("avx512", q4.cpu_has_avx512()),
-            ("avx512_bf16", q4.cpu_has_avx512_bf16()),
-            ("amx", q4.cpu_has_amx()),
-        )
-        if ok
-    ]
+    levels = [name for code, name in native.isa_names().items() if code > 0 and native.lib().q4_cpu_has_isa(code)]
     assert levels, "the processor has no SIMD level to compare with the scalar path"
     before = q4.cpu_isa()
     try:

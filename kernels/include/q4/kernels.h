@@ -314,9 +314,25 @@ Status validate_code_book(const float* code);
 // (F, BW, VL: 512-bit fp32 kernels); avx512_bf16 (+AVX512_BF16 and
 // AVX512_VNNI: bf16 dot products for bf16 inputs). The default is the best
 // level the processor and the OS support.
-enum Isa : int32_t { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Bf16 = 3, kIsaAmx = 4 };
+//
+// The levels, lowest first, one row each: X(name, Name) gives Isa value
+// kIsa<Name> (its index: the C ABI's isa code) and the name Q4_ISA /
+// q4.set_cpu_isa take; Python reads the names through q4_cpu_isa_names().
+#define Q4_ISA_LEVELS(X)     \
+  X(scalar, Scalar)          \
+  X(avx2, Avx2)              \
+  X(avx512, Avx512)          \
+  X(avx512_bf16, Avx512Bf16) \
+  X(amx, Amx)
+enum Isa : int32_t {
+#define Q4_ISA_ENUM(name, Name) kIsa##Name,
+  Q4_ISA_LEVELS(Q4_ISA_ENUM)
+#undef Q4_ISA_ENUM
+      kIsaLevels
+};
 Isa cpu_isa();                          // active level
 const char* cpu_isa_name(int32_t isa);  // "scalar", ..., or "" if out of range
+bool cpu_has_isa(int32_t isa);          // whether the processor and the OS support level isa
 bool cpu_has_avx2();                    // what the processor supports
 bool cpu_has_avx512();
 bool cpu_has_avx512_bf16();
