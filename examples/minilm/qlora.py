@@ -96,7 +96,7 @@ def _jax_contestant(tensors, ids, mask, target, steps):
     from flax import nnx
 
     import q4jax
-    from q4jax._src.model import graph_edges, set_child
+    from q4jax._src.graph import graph_edges, set_child
 
     model = q4jax.quantize_model(flax_model.load(tensors), "nf4", skip=("pooler",))
     rngs = nnx.Rngs(0)
