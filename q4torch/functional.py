@@ -3,6 +3,12 @@
 Signatures and defaults follow ``bitsandbytes.functional`` so that code can
 switch by changing the import. Results are bit-identical to bitsandbytes'
 CPU path for the 4-bit formats; see the README for the nested 8-bit absmax.
+
+This module is the bitsandbytes-facing surface only. QuantState and its
+check live in q4torch/_src/quant_state.py (re-exported here), the ops in
+q4torch/_src/ops.py, and the eager fast path that matmul_4bit and
+int8_linear try first (direct kernel calls, the cache of validated weight
+arguments) in q4torch/_src/eager.py, which the layers call too.
 """
 
 from __future__ import annotations
@@ -10,17 +16,14 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-import weakref
 from typing import Any
 
-import numpy as np
 import torch
 
 import q4
 from q4._src import formats, quantizers
-from q4._src.quant_state import JSON_KEY_PREFIX
-from q4._src.quant_state import QuantState as _NpQuantState
-from q4torch._src import ops
+from q4torch._src import eager, ops
+from q4torch._src.quant_state import QuantState, check_quant_state, code_table
 
 __all__ = [
     "QuantState",
@@ -48,12 +51,6 @@ __all__ = [
     "quantize_nf4",
 ]
 
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
-# read from the kernel library once: check_quant_state runs inside torch.compile
-# graphs, where a ctypes call cannot be traced
-_MIN_BLOCKSIZE, _MAX_BLOCKSIZE = formats.min_blocksize(), formats.max_blocksize()
-_NESTED_BLOCKSIZE = formats.nested_blocksize()
 _INV_127 = 1.0 / 127.0  # fp32(1/127), LLM.int8's dequantization
 _INV_127_SQ = 1.0 / 16129.0  # fp32(1/127^2)
 
@@ -61,7 +58,7 @@ _INV_127_SQ = 1.0 / 16129.0  # fp32(1/127^2)
 def get_4bit_type(typename: str, device=None) -> torch.Tensor:
     """The 16-entry code book of 'nf4' or 'fp4' (read from the kernel library)."""
     formats.check_quant_type(typename)
-    return torch.from_numpy(formats.code_table(typename).copy()).to(device or "cpu")
+    return code_table(typename, device)
 
 
 def create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8, device=None) -> torch.Tensor:
@@ -73,7 +70,7 @@ def create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8, device=No
     if isinstance(signed, (torch.device, str)) and device is None:  # create_dynamic_map(device)
         signed, device = True, signed
     if signed is True and max_exponent_bits == 7 and total_bits == 8:
-        return torch.from_numpy(formats.code_table("dynamic").copy()).to(device or "cpu")
+        return code_table("dynamic", device)
     if not (1 <= total_bits <= 8) or not (1 <= max_exponent_bits <= total_bits):
         raise ValueError(
             f"create_dynamic_map needs 1 <= total_bits <= 8 and 1 <= max_exponent_bits <= total_bits, "
@@ -153,222 +150,6 @@ def create_fp8_map(signed=True, exponent_bits=5, precision_bits=2, total_bits=8)
     return code / code.max()
 
 
-class QuantState:
-    """Quantization state of a 4-bit (or 8-bit blockwise) tensor, as in bitsandbytes.
-
-    For nested 4-bit states ``absmax`` holds the uint8 codes of
-    (absmax - offset), ``offset`` the fp32 mean and ``state2`` the 8-bit state
-    (its absmax and the dynamic map).
-    """
-
-    valid_quant_types = ("fp4", "nf4")
-    valid_qs_type_keys = [f"{JSON_KEY_PREFIX.split('.', 1)[1]}{x}" for x in valid_quant_types]
-    valid_qs_keys = [
-        "absmax",
-        "quant_map",
-        "nested_absmax",
-        "nested_quant_map",
-        "quant_state",
-        "quant_type",
-        "blocksize",
-        "dtype",
-        "shape",
-        "nested_blocksize",
-        "nested_dtype",
-        "nested_offset",
-    ]
-
-    def __init__(
-        self, absmax, shape=None, code=None, blocksize=None, quant_type=None, dtype=None, offset=None, state2=None
-    ):
-        self.absmax = absmax
-        self.shape = shape
-        self.code = code
-        self.dtype = dtype
-        self.blocksize = blocksize
-        self.quant_type = quant_type
-        self.offset = offset
-        self.state2 = state2
-        self.nested = state2 is not None
-
-    def __getattr__(self, name):
-        # FSDP-style traversal resolves the packed key "quant_state.bitsandbytes__nf4" by getattr.
-        if "quant_state." + name in [JSON_KEY_PREFIX + t for t in self.valid_quant_types]:
-            packed = self.as_dict(packed=True)
-            key = "quant_state." + name
-            if key in packed:
-                return packed[key]
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-    # ---------------------------------------------------------------- numpy
-
-    def to_numpy(self) -> _NpQuantState:
-        """The framework-neutral state (validated)."""
-        return _NpQuantState(
-            quant_type=self.quant_type,
-            blocksize=int(self.blocksize),
-            shape=tuple(int(s) for s in self.shape),
-            dtype=_DTYPE_NAMES[self.dtype],
-            absmax=self.absmax.detach().cpu().numpy(),
-            nested_absmax=self.state2.absmax.detach().cpu().numpy() if self.nested else None,
-            nested_offset=float(self.offset) if self.nested else None,
-            nested_blocksize=int(self.state2.blocksize) if self.nested else formats.nested_blocksize(),
-        ).validate()
-
-    @classmethod
-    def from_numpy(cls, st: _NpQuantState, device="cpu") -> QuantState:
-        st.validate()
-        state2 = offset = None
-        if st.nested:
-            assert st.nested_offset is not None  # validate(): a nested state has its offset
-            offset = torch.tensor(float(st.nested_offset), dtype=torch.float32, device=device)
-            state2 = cls(
-                absmax=torch.from_numpy(np.array(st.nested_absmax)).to(device),
-                blocksize=st.nested_blocksize,
-                code=create_dynamic_map(device),
-                dtype=torch.float32,
-            )
-        return cls(
-            absmax=torch.from_numpy(np.array(st.absmax)).to(device),
-            shape=torch.Size(st.shape),
-            code=get_4bit_type(st.quant_type, device),
-            blocksize=st.blocksize,
-            quant_type=st.quant_type,
-            dtype=_TORCH_DTYPES[st.dtype],
-            offset=offset,
-            state2=state2,
-        )
-
-    # ---------------------------------------------------------- checkpoints
-
-    @classmethod
-    def from_dict(cls, qs_dict: dict[str, Any], device) -> QuantState:
-        """Rebuild from checkpoint entries (prefixes such as 'weight.' are stripped).
-
-        Validates every entry; a corrupted or truncated entry raises
-        q4.QuantStateError naming it.
-        """
-        if not any("quant_state." in k for k in qs_dict) and qs_dict.get("quant_type", "") is None:
-            return cls._blockwise_from_dict(qs_dict, device)
-        if not any("quant_state." in k for k in qs_dict) and "quant_type" in qs_dict:
-            # the unpacked form (as_dict(packed=False)): its plain values are what
-            # the packed JSON entry holds, so they go through the same checks
-            meta = {}
-            for k, v in list(qs_dict.items()):
-                if not isinstance(v, torch.Tensor):
-                    meta[k.split(".")[-1]] = list(v) if isinstance(v, (tuple, torch.Size)) else v
-            qs_dict = {k: v for k, v in qs_dict.items() if isinstance(v, torch.Tensor)}
-            if not isinstance(meta.get("quant_type"), str) or meta["quant_type"] not in cls.valid_quant_types:
-                raise q4.QuantStateError(
-                    f"quant_type must be 'nf4' or 'fp4', got {formats.short_repr(meta.get('quant_type'))}"
-                )
-            try:
-                packed_meta = q4._src.quant_state.pack_json(meta)
-            except (TypeError, ValueError) as e:
-                raise q4.QuantStateError(f"quant state entries are not plain values: {e}") from None
-            qs_dict[JSON_KEY_PREFIX + meta["quant_type"]] = torch.from_numpy(packed_meta)
-        entries = {}
-        for k, v in qs_dict.items():
-            key = k if k.startswith("quant_state.") else k.split(".")[-1]
-            if "quant_state." in k:
-                key = "quant_state." + k.split("quant_state.")[-1]
-            entries[key] = v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
-        return cls.from_numpy(_NpQuantState.from_dict(entries), device)
-
-    @classmethod
-    def _blockwise_from_dict(cls, qs_dict: dict[str, Any], device) -> QuantState:
-        """An 8-bit blockwise state from its unpacked as_dict() (quant_type None)."""
-        d = {k.split(".")[-1]: v for k, v in qs_dict.items()}
-        for key in ("absmax", "quant_map", "blocksize", "dtype"):
-            if key not in d:
-                raise q4.QuantStateError(f"8-bit blockwise state lacks '{key}'")
-        absmax, code = d["absmax"], d["quant_map"]
-        if not isinstance(absmax, torch.Tensor) or absmax.dtype != torch.float32 or absmax.dim() != 1:
-            raise q4.QuantStateError(f"absmax must be a 1-D float32 tensor, got {formats.short_repr(absmax)}")
-        if not isinstance(code, torch.Tensor) or code.dtype != torch.float32 or code.numel() != 256:
-            raise q4.QuantStateError(f"quant_map must be 256 float32 values, got {formats.short_repr(code)}")
-        if d["dtype"] not in _TORCH_DTYPES:
-            raise q4.QuantStateError(
-                f"dtype must be float32, float16 or bfloat16, got {formats.short_repr(d['dtype'])}"
-            )
-        try:
-            blocksize = formats.check_blocksize8(d["blocksize"])
-        except ValueError as e:
-            raise q4.QuantStateError(str(e)) from None
-        state2 = offset = None
-        if "nested_absmax" in d:
-            offset = torch.tensor(float(d["nested_offset"]), dtype=torch.float32, device=device)
-            state2 = cls(
-                absmax=d["nested_absmax"].to(device),
-                blocksize=d["nested_blocksize"],
-                code=d["nested_quant_map"].to(device),
-                dtype=_TORCH_DTYPES[d.get("nested_dtype", "float32")],
-            )
-        shape = d.get("shape")
-        return cls(
-            absmax=absmax.to(device),
-            shape=torch.Size(shape) if shape is not None else None,
-            code=code.to(device),
-            blocksize=blocksize,
-            dtype=_TORCH_DTYPES[d["dtype"]],
-            offset=offset,
-            state2=state2,
-        )
-
-    def as_dict(self, packed: bool = False) -> dict[str, Any]:
-        """Entries for a state dict; packed=True gives tensors only (safetensors-ready),
-        byte-identical to bitsandbytes' packing."""
-        qs = {
-            "quant_type": self.quant_type,
-            "absmax": self.absmax,
-            "blocksize": self.blocksize,
-            "quant_map": self.code,
-            "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype).removeprefix("torch.")),
-            "shape": tuple(self.shape) if self.shape is not None else None,
-        }
-        if self.nested:
-            qs.update(
-                nested_absmax=self.state2.absmax,
-                nested_blocksize=self.state2.blocksize,
-                nested_quant_map=self.state2.code.clone(),
-                nested_dtype=_DTYPE_NAMES.get(self.state2.dtype, str(self.state2.dtype).removeprefix("torch.")),
-                nested_offset=float(self.offset),
-            )
-        if not packed or self.quant_type is None:
-            return qs
-        out = {k: v for k, v in qs.items() if isinstance(v, torch.Tensor)}
-        meta = {k: (list(v) if isinstance(v, tuple) else v) for k, v in qs.items() if not isinstance(v, torch.Tensor)}
-        out[JSON_KEY_PREFIX + self.quant_type] = torch.from_numpy(q4._src.quant_state.pack_json(meta))
-        return out
-
-    def to(self, device):
-        self.code = self.code.to(device)
-        self.absmax = self.absmax.to(device)
-        if self.nested:
-            self.offset = self.offset.to(device)
-            self.state2.absmax = self.state2.absmax.to(device)
-            self.state2.code = self.state2.code.to(device)
-
-    def __eq__(self, other):
-        if not isinstance(other, QuantState):
-            return False
-        same = (
-            self.shape == other.shape
-            and self.dtype == other.dtype
-            and self.blocksize == other.blocksize
-            and self.quant_type == other.quant_type
-            and self.nested == other.nested
-            and torch.equal(self.absmax, other.absmax)
-            and (self.code is None) == (other.code is None)
-            and (self.code is None or torch.equal(self.code, other.code))
-        )
-        if same and self.nested:
-            same = torch.equal(self.offset, other.offset) and self.state2 == other.state2
-        return same
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 def _check_tensors(**named) -> None:
     """A must be a tensor; optional tensor arguments must be tensors or None."""
     for name, value in named.items():
@@ -377,61 +158,6 @@ def _check_tensors(**named) -> None:
             raise TypeError(
                 f"{name} must be a torch.Tensor{'' if required else ' or None'}, got {type(value).__name__}"
             )
-
-
-def check_quant_state(quant_state, packed: torch.Tensor | None = None, what: str = "quant_state") -> QuantState:
-    """The one check of a 4-bit QuantState (every function that takes one calls
-    it): quant_type, blocksize, dtype, a non-empty shape; absmax holds
-    ceil(n/blocksize) values (floating, or uint8 codes when nested); a nested
-    state has state2 (float32 absmax of ceil(n_blocks/256) values, block 256)
-    and a one-element float offset. With `packed` (viewed as uint8), its byte
-    count must be ceil(n/2). Raises TypeError / ValueError naming the value."""
-    if not isinstance(quant_state, QuantState):
-        raise TypeError(f"{what} must be a q4torch.functional.QuantState, got {type(quant_state).__name__}")
-    qs = quant_state
-    formats.check_quant_type(qs.quant_type)
-    bs = qs.blocksize
-    if isinstance(bs, bool) or not isinstance(bs, int) or not (_MIN_BLOCKSIZE <= bs <= _MAX_BLOCKSIZE) or bs & (bs - 1):
-        raise ValueError(f"{what}.blocksize must be a power of two in [{_MIN_BLOCKSIZE}, {_MAX_BLOCKSIZE}], got {bs!r}")
-    if qs.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"{what}.dtype must be torch.float32, float16 or bfloat16, got {qs.dtype!r}")
-    try:
-        shape = tuple(qs.shape)
-    except TypeError:
-        shape = None
-    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-        raise ValueError(f"{what}.shape must be a non-empty sequence of positive ints, got {qs.shape!r}")
-    n = math.prod(shape)
-    nb = formats.num_blocks(n, qs.blocksize)
-    if not isinstance(qs.absmax, torch.Tensor):
-        raise TypeError(f"{what}.absmax must be a tensor, got {type(qs.absmax).__name__}")
-    ok_dtype = qs.absmax.dtype == torch.uint8 if qs.nested else qs.absmax.dtype.is_floating_point
-    if qs.absmax.numel() != nb or not ok_dtype:
-        kind = "uint8 codes (nested)" if qs.nested else "floating-point values"
-        raise ValueError(
-            f"{what}.absmax must hold {nb} {kind} for shape {shape} and blocksize {qs.blocksize}, "
-            f"got {qs.absmax.dtype}[{qs.absmax.numel()}]"
-        )
-    if qs.nested:
-        s2 = qs.state2
-        n2 = formats.num_blocks(nb, _NESTED_BLOCKSIZE)
-        if not isinstance(s2, QuantState) or not isinstance(s2.absmax, torch.Tensor):
-            raise TypeError(f"{what}.state2 must be a QuantState holding the nested absmax, got {type(s2).__name__}")
-        if s2.absmax.dtype != torch.float32 or s2.absmax.numel() != n2:
-            raise ValueError(f"{what}.state2.absmax must be float32[{n2}], got {s2.absmax.dtype}[{s2.absmax.numel()}]")
-        if s2.blocksize != _NESTED_BLOCKSIZE:
-            raise ValueError(f"{what}.state2.blocksize must be {_NESTED_BLOCKSIZE}, got {s2.blocksize!r}")
-        off = qs.offset
-        if not isinstance(off, torch.Tensor) or off.numel() != 1 or not off.dtype.is_floating_point:
-            got = (
-                "None"
-                if off is None
-                else (f"{off.dtype}[{off.numel()}]" if isinstance(off, torch.Tensor) else repr(off))
-            )
-            raise ValueError(f"{what} is nested and needs offset, a one-element float tensor; got {got}")
-    if packed is not None:
-        formats.check_packed_size(packed.numel() * packed.element_size(), n, "packed weight", f"{what}.shape {shape}")
-    return qs
 
 
 # dtypes the packed 4-bit bytes may be viewed as (bitsandbytes' quant_storage): every copy keeps the
@@ -667,141 +393,6 @@ def dequantize_blockwise(
     return result
 
 
-# Validated kernel arguments of a 4-bit weight, per QuantState: (key, args).
-# The arguments are pointers and sizes, a function of the key alone (the
-# pointers, sizes, dtypes and layout of the packed bytes and scales, and the
-# state's fields), so an entry is either exactly what validation would produce
-# now or it does not match: it cannot go stale. The nested offset's value is
-# read on every call (tensors made under inference_mode have no version
-# counter that could tell an in-place change).
-# Keyed by id(state) (QuantState compares by value, so it is not hashable);
-# an entry holds a weak reference to its state and leaves with it.
-_PREPARED: dict[int, tuple] = {}
-
-
-def _prepared_key(qs: QuantState, B: torch.Tensor):
-    a = qs.absmax
-    key: tuple[Any, ...] = (B.data_ptr(), B.numel(), B.element_size(), B.is_contiguous(), qs.blocksize, qs.quant_type)
-    key += (tuple(qs.shape), qs.dtype, qs.nested, a.data_ptr(), a.numel(), a.dtype, a.is_contiguous())
-    if qs.nested:
-        s2, off = qs.state2, qs.offset
-        a2 = s2.absmax
-        key += (a2.data_ptr(), a2.numel(), a2.dtype, a2.is_contiguous(), s2.blocksize)
-        key += (off.numel(), off.dtype)
-    return key
-
-
-def _prepared_args(qs: QuantState, B: torch.Tensor):
-    """(n, k, scales) for the C ABI, validated once per distinct key."""
-    try:
-        key = _prepared_key(qs, B)
-    except (AttributeError, TypeError):  # not tensors where tensors belong: the full check says which
-        key = None
-    hit = _PREPARED.get(id(qs))
-    if key is not None and hit is not None and hit[0]() is qs and hit[1] == key:
-        n, k, scales = hit[2]
-        if qs.nested:  # the offset's current value (a tensor never cached)
-            scales = scales[:5] + (float(qs.offset.item()),) + scales[6:]
-        return n, k, scales
-    check_quant_state(qs, B)
-    if len(qs.shape) != 2:
-        raise ValueError(f"matmul_4bit needs a 2-D weight, quant_state.shape is {tuple(qs.shape)}")
-    n, k = (int(s) for s in qs.shape)
-    packed = (B if B.dtype == torch.uint8 else B.view(torch.uint8)).reshape(-1)
-    nested = qs.nested
-    scales = ops.weight_args(
-        packed,
-        qs.absmax,
-        qs.state2.absmax if nested else None,
-        qs.offset if nested else None,
-        n,
-        k,
-        int(qs.blocksize),
-        qs.quant_type,
-    )
-    args = (n, k, scales)
-    if key is not None:
-        ident = id(qs)
-
-        def forget(_ref: weakref.ref, i: int = ident) -> None:
-            _PREPARED.pop(i, None)
-
-        _PREPARED[ident] = (weakref.ref(qs, forget), key, args)
-    return args
-
-
-def _plain(t) -> bool:
-    """A tensor with no torch function of its own: torch.Tensor, or an
-    nn.Parameter (or a subclass, such as Int8Params, that keeps Parameter's
-    disabled one)."""
-    tp = type(t)
-    return tp is torch.Tensor or getattr(tp, "__torch_function__", None) is torch._C._disabled_torch_function_impl
-
-
-def _records(A: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether autograd records this call (A or the bias requires grad, grad mode on)."""
-    return torch.is_grad_enabled() and (A.requires_grad or (bias is not None and bias.requires_grad))
-
-
-def _eager_cpu(A: torch.Tensor, bias: torch.Tensor | None, records: bool = False) -> bool:
-    """Whether matmul_4bit may call the CPU kernel directly rather than through
-    the q4::gemm_4bit op: eager mode, plain CPU tensors, nothing recording
-    (no autograd graph, no tracing, no torch function or dispatch mode). The
-    result is the op's, byte for byte (the same kernel with the same
-    arguments); what is skipped is the dispatcher's per-call cost, which at
-    batch 1 is a tenth of the whole call. records=True also allows an
-    autograd graph (A or the bias requiring grad) outside functorch's
-    transforms: the caller records it itself (ops.EagerGemm4bit)."""
-    if type(A) is not torch.Tensor or not A.is_cpu or torch.compiler.is_compiling():
-        return False
-    if _records(A, bias) and (not records or torch._C._functorch.is_functorch_wrapped_tensor(A)):
-        return False
-    if bias is not None and (not _plain(bias) or not bias.is_cpu):  # (a layer's bias: an nn.Parameter)
-        return False
-    return not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0
-
-
-def _cpu_tensor(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_cpu
-
-
-def _eager_matmul_4bit(A, B, quant_state, bias, activation_quant) -> torch.Tensor | None:
-    """matmul_4bit(A, B, quant_state, bias=bias, activation_quant=...) by a
-    direct call of the CPU kernel, or None where the q4::gemm_4bit op (or the
-    general path's checks and errors) must run: the conditions of _eager_cpu,
-    a QuantState of a 2-D [N, K] weight whose K is A's last dimension, a
-    non-empty A, a contiguous CPU B. activation_quant is already checked.
-    Linear4bit.forward calls it directly: at batch 1 on a small layer the
-    Python around the kernel is most of the call. Where A or the bias
-    requires grad, ops.EagerGemm4bit records the op's autograd (same kernels,
-    same saved tensors) without the op's dispatch: in a training step of a
-    small layer that dispatch cost more than the kernels."""
-    if not isinstance(quant_state, QuantState) or not _eager_cpu(A, bias, records=True):
-        return None
-    shape = quant_state.shape
-    # (a mismatch: an error, or the [K, N] orientation, in the general path)
-    if shape is None or len(shape) != 2 or A.dim() == 0 or A.numel() == 0 or A.shape[-1] != shape[-1]:
-        return None
-    # (a Params4bit's own __torch_function__ would cost ~1 us per method call)
-    with torch._C.DisableTorchFunctionSubclass():
-        absmax = quant_state.absmax  # (a non-tensor or meta absmax: the general path's checks name it)
-        if not isinstance(B, torch.Tensor) or not B.is_cpu or not B.is_contiguous() or not _cpu_tensor(absmax):
-            return None
-        if B.dtype is torch.bool or (quant_state.nested and not _cpu_tensor(quant_state.state2.absmax)):
-            return None
-        n, k, scales = _prepared_args(quant_state, B)
-        bs, qt = int(quant_state.blocksize), quant_state.quant_type
-        if not _records(A, bias):
-            return ops.gemm_4bit_call(A, B.data_ptr(), n, k, scales, bs, qt, bias, activation_quant)
-        packed = (B if B.dtype == torch.uint8 else B.view(torch.uint8)).reshape(-1)
-        nested = quant_state.nested
-        absmax, state2, offset = quant_state.absmax, quant_state.state2, quant_state.offset
-        nested_absmax, nested_offset = (state2.absmax, offset) if nested else (None, None)
-    return ops.EagerGemm4bit.apply(
-        A, packed, absmax, nested_absmax, nested_offset, bias, n, k, scales, bs, qt, activation_quant
-    )
-
-
 def matmul_4bit(
     A: torch.Tensor,
     B: torch.Tensor,
@@ -827,7 +418,7 @@ def matmul_4bit(
         raise ValueError("matmul_4bit needs the weight's quant_state")
     formats.check_activation_quant(activation_quant)
     if out is None:
-        y = _eager_matmul_4bit(A, B, quant_state, bias, activation_quant)
+        y = eager.matmul_4bit(A, B, quant_state, bias, activation_quant)
         if y is not None:
             return y
     _check_tensors(A=A, B=B, out=out, bias=bias)
@@ -952,12 +543,8 @@ def int8_linear(
     """LLM.int8 linear through the fused kernel, differentiable in A and bias:
     y ~= A . (CB * SCB / 127)^T (+ bias); input columns with any |A| >= threshold
     (threshold > 0) go through fp32 unquantized."""
-    if _eager_cpu(A, bias, records=True) and _plain(CB) and _plain(SCB) and CB.is_cpu and SCB.is_cpu:
-        # the op's bytes, without the dispatcher (recording the op's autograd itself where needed)
-        if _records(A, bias):
-            return ops.EagerInt8Linear.apply(A, CB, SCB, float(threshold), bias)
-        return ops.int8_linear_call(A, CB, SCB, float(threshold), bias)
-    return ops.int8_linear(A, CB, SCB, float(threshold), bias)
+    y = eager.int8_linear(A, CB, SCB, threshold, bias)  # (the op's bytes, without the dispatcher)
+    return ops.int8_linear(A, CB, SCB, float(threshold), bias) if y is None else y
 
 
 # ------------------------------------------------------------ bitsandbytes' functional API

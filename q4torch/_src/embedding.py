@@ -54,6 +54,7 @@ from q4torch import functional as qf
 from q4torch._src import ops
 from q4torch._src.linear4bit import Params4bit, load_all_but_weight
 from q4torch._src.linear8bit import Int8Params, apply_keeping_scb, check_weight_format
+from q4torch._src.quantize import quantized_weight
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -492,8 +493,6 @@ def quantized_embedding(emb: nn.Embedding, quant_type: str, blocksize: int, comp
     table, quantized on its device (used by replace_linear and load_quantized).
     An nn.Embedding with max_norm (which renormalises rows in place on every
     lookup) cannot be frozen into a quantized table: ValueError."""
-    from q4torch._src.replace import quantized_weight
-
     formats.check_layer_type(quant_type)
     if emb.max_norm is not None:
         raise ValueError(

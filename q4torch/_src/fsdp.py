@@ -36,79 +36,9 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from q4._src.quant_state import JSON_KEY_PREFIX
-from q4torch import functional as F
-from q4torch._src.linear4bit import Linear4bit, Params4bit, check_packed, is_dtensor
+from q4torch._src.linear4bit import Linear4bit, Params4bit, attach_quant_state
 
 __all__ = ["QuantStateLoadPlanner", "fully_shard"]
-
-
-# Attributes a Params4bit resolves from its QuantState, set as plain attributes on a
-# parameter that FSDP2 installs in its place (a DTensor shard or the all-gathered tensor),
-# so that code reading ``layer.weight.quant_state`` and state-dict traversal by getattr
-# (torch.distributed.checkpoint.state_dict resolves "weight.absmax") keep working.
-_PROXIES = {
-    "absmax": lambda qs: qs.absmax,
-    "quant_map": lambda qs: qs.code,
-    "nested_absmax": lambda qs: qs.state2.absmax if qs.nested else None,
-    "nested_quant_map": lambda qs: qs.state2.code if qs.nested else None,
-}
-
-
-def attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
-    """Let a parameter that is not a Params4bit carry the layer's QuantState
-    (the same object: the layer's state stays the one source of truth)."""
-    attrs = {
-        "quant_state": quant_state,
-        "quant_type": quant_state.quant_type,
-        "blocksize": quant_state.blocksize,
-        "compress_statistics": quant_state.nested,
-        "quant_storage": param.dtype,
-        "bnb_quantized": True,
-    }
-    for name, value in attrs.items():
-        setattr(param, name, value)
-    for name, get in _PROXIES.items():
-        value = get(quant_state)
-        if value is not None:
-            setattr(param, name, value)
-        else:
-            param.__dict__.pop(name, None)
-
-
-def load_sharded(layer: Linear4bit, weight_key: str, data: torch.Tensor, stats: dict[str, Any]) -> None:
-    """Load a quantized checkpoint into a weight that FSDP2 has sharded (a DTensor).
-
-    ``data`` must be a DTensor too (a state dict of a sharded model, as
-    DCP loads it, or a whole checkpoint distributed by
-    ``set_model_state_dict(..., options=StateDictOptions(full_state_dict=True))``),
-    in the weight's storage dtype. FSDP keeps the parameter object, so the
-    bytes are copied into its local shard in place (same dtype: bit for
-    bit). The QuantState is not sharded: every rank rebuilds it whole.
-    """
-    weight = layer.weight
-    if not any(k.startswith(JSON_KEY_PREFIX) for k in stats):
-        raise ValueError(
-            f"'{weight_key}' is sharded (FSDP) and the checkpoint has no '{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' "
-            "entry: a sharded weight cannot be quantized, load float weights before fully_shard"
-        )
-    if not is_dtensor(data):
-        raise TypeError(
-            f"'{weight_key}' is a plain {data.dtype} tensor but the layer's weight is sharded (a DTensor): load "
-            "a whole checkpoint with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, sd, "
-            "options=StateDictOptions(full_state_dict=True))"
-        )
-    if data.dtype != weight.dtype:
-        raise TypeError(
-            f"'{weight_key}' is a {data.dtype} DTensor, but the sharded weight stores its bytes as {weight.dtype}"
-        )
-    quant_state = F.QuantState.from_dict(stats, device=weight.device)
-    layer.check_state_shape(weight_key, quant_state)
-    check_packed(data, quant_state, weight_key)
-    with torch.no_grad():
-        weight.copy_(data)
-    layer.quant_state = quant_state
-    layer.quant_storage = weight.dtype
-    attach_quant_state(weight, quant_state)
 
 
 def _managed_layers(modules: tuple[nn.Module, ...], ignored: set) -> list[tuple[str, Linear4bit]]:

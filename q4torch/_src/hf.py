@@ -41,7 +41,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 import q4
 from q4._src import formats, pages, quantizers
 from q4._src.quant_state import JSON_KEY_PREFIX
-from q4torch._src.replace import quantized_weight
+from q4torch._src.quantize import quantized_linear, quantized_weight
 
 METHOD = "q4"
 _BNB_METHODS = ("bitsandbytes_4bit", "bitsandbytes_8bit")
@@ -409,14 +409,12 @@ def _head_name(model) -> str | None:
 def _quantize_tied_head(model, name: str, s: Settings) -> None:
     """Replace the tied output head ``name`` by a q4 layer quantized from its (the input
     embedding's) weight and untie it: the embedding keeps the float table for lookups."""
-    from q4torch._src.replace import _quantized
-
     head = model.get_submodule(name)
     float_head = nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
     float_head.weight = nn.Parameter(head.weight.detach(), requires_grad=False)
     if head.bias is not None:
         float_head.bias = head.bias
-    new = _quantized(
+    new = quantized_linear(
         float_head, s.quant_type, s.compute_dtype, s.blocksize, s.compress_statistics, s.threshold, s.activation_quant,
         s.method,
     )  # fmt: skip

@@ -32,6 +32,8 @@ import q4
 from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as F
+from q4torch._src import eager
+from q4torch._src.torch_internals import make_subclass, parse_to
 
 _QUANT_KEYS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 
@@ -66,7 +68,7 @@ class Params4bit(nn.Parameter):
     ) -> Params4bit:
         if data is None:
             data = torch.empty(0)
-        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self = make_subclass(cls, data, requires_grad)
         self.blocksize = q4.check_blocksize(64 if blocksize is None else blocksize)
         self.compress_statistics = compress_statistics
         formats.check_quant_type(quant_type)
@@ -201,7 +203,7 @@ class Params4bit(nn.Parameter):
         return self.to(device="cuda" if device is None else device, non_blocking=non_blocking)
 
     def to(self, *args, **kwargs):
-        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, non_blocking, _ = parse_to(*args, **kwargs)
         if device is not None and device.type != "meta" and not self.bnb_quantized:
             return self._quantize(device)
         if self.quant_state is not None and device is not None:
@@ -311,6 +313,80 @@ def weight_and_bias(module: nn.Module) -> tuple[Any, Any]:
     return module.weight, module.bias
 
 
+# ---------------------------------------------- FSDP2 (q4torch._src.fsdp builds on these)
+# They need nothing of torch.distributed, so the layer calls them without importing it
+# (fsdp.py imports this module, one way).
+
+
+# Attributes a Params4bit resolves from its QuantState, set as plain attributes on a
+# parameter that FSDP2 installs in its place (a DTensor shard or the all-gathered tensor),
+# so that code reading ``layer.weight.quant_state`` and state-dict traversal by getattr
+# (torch.distributed.checkpoint.state_dict resolves "weight.absmax") keep working.
+_PROXIES = {
+    "absmax": lambda qs: qs.absmax,
+    "quant_map": lambda qs: qs.code,
+    "nested_absmax": lambda qs: qs.state2.absmax if qs.nested else None,
+    "nested_quant_map": lambda qs: qs.state2.code if qs.nested else None,
+}
+
+
+def attach_quant_state(param: torch.Tensor, quant_state: F.QuantState) -> None:
+    """Let a parameter that is not a Params4bit carry the layer's QuantState
+    (the same object: the layer's state stays the one source of truth)."""
+    attrs = {
+        "quant_state": quant_state,
+        "quant_type": quant_state.quant_type,
+        "blocksize": quant_state.blocksize,
+        "compress_statistics": quant_state.nested,
+        "quant_storage": param.dtype,
+        "bnb_quantized": True,
+    }
+    for name, value in attrs.items():
+        setattr(param, name, value)
+    for name, get in _PROXIES.items():
+        value = get(quant_state)
+        if value is not None:
+            setattr(param, name, value)
+        else:
+            param.__dict__.pop(name, None)
+
+
+def load_sharded(layer: Linear4bit, weight_key: str, data: torch.Tensor, stats: dict[str, Any]) -> None:
+    """Load a quantized checkpoint into a weight that FSDP2 has sharded (a DTensor).
+
+    ``data`` must be a DTensor too (a state dict of a sharded model, as
+    DCP loads it, or a whole checkpoint distributed by
+    ``set_model_state_dict(..., options=StateDictOptions(full_state_dict=True))``),
+    in the weight's storage dtype. FSDP keeps the parameter object, so the
+    bytes are copied into its local shard in place (same dtype: bit for
+    bit). The QuantState is not sharded: every rank rebuilds it whole.
+    """
+    weight = layer.weight
+    if not any(k.startswith(JSON_KEY_PREFIX) for k in stats):
+        raise ValueError(
+            f"'{weight_key}' is sharded (FSDP) and the checkpoint has no '{weight_key}.{JSON_KEY_PREFIX}<nf4|fp4>' "
+            "entry: a sharded weight cannot be quantized, load float weights before fully_shard"
+        )
+    if not is_dtensor(data):
+        raise TypeError(
+            f"'{weight_key}' is a plain {data.dtype} tensor but the layer's weight is sharded (a DTensor): load "
+            "a whole checkpoint with torch.distributed.checkpoint.state_dict.set_model_state_dict(model, sd, "
+            "options=StateDictOptions(full_state_dict=True))"
+        )
+    if data.dtype != weight.dtype:
+        raise TypeError(
+            f"'{weight_key}' is a {data.dtype} DTensor, but the sharded weight stores its bytes as {weight.dtype}"
+        )
+    quant_state = F.QuantState.from_dict(stats, device=weight.device)
+    layer.check_state_shape(weight_key, quant_state)
+    check_packed(data, quant_state, weight_key)
+    with torch.no_grad():
+        weight.copy_(data)
+    layer.quant_state = quant_state
+    layer.quant_storage = weight.dtype
+    attach_quant_state(weight, quant_state)
+
+
 class Linear4bit(nn.Linear):
     """A linear layer with a 4-bit weight (NF4 or FP4, blockwise, optionally
     nested absmax), as bitsandbytes.nn.Linear4bit.
@@ -403,15 +479,13 @@ class Linear4bit(nn.Linear):
                 f"or {self.quant_storage}, or quant_storage=torch.uint8 (FSDP never casts integer parameters)"
             )
         check_packed(weight, quant_state, "weight")
-        if weight.__dict__.get("quant_state") is not quant_state:
-            from q4torch._src import fsdp  # a plain parameter: the all-gathered bytes FSDP2 installed
-
-            fsdp.attach_quant_state(weight, quant_state)
+        if weight.__dict__.get("quant_state") is not quant_state:  # the all-gathered bytes FSDP2 installed
+            attach_quant_state(weight, quant_state)
         return weight, cast(F.QuantState, quant_state)  # checked not None above
 
     def _eager_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The forward of the common case, flat, or None: a quantized
-        Params4bit, an input in the compute dtype, and F._eager_matmul_4bit's
+        Params4bit, an input in the compute dtype, and eager.matmul_4bit's
         conditions (nothing recording, CPU). A bias of another dtype is cast
         on a copy, as forward does."""
         weight, bias = weight_and_bias(self)
@@ -432,7 +506,7 @@ class Linear4bit(nn.Linear):
         if quant_state is None:
             return None
         activation_quant = getattr(self, "activation_quant", None)  # (modules unpickled from older versions)
-        return F._eager_matmul_4bit(x, weight, quant_state, bias, activation_quant)
+        return eager.matmul_4bit(x, weight, quant_state, bias, activation_quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._eager_forward(x)
@@ -462,9 +536,7 @@ class Linear4bit(nn.Linear):
         else:  # a parameter installed by FSDP2 (a DTensor shard): the layer holds the state
             quant_state = self.quant_state
             if quant_state is not None:
-                from q4torch._src import fsdp
-
-                fsdp.attach_quant_state(weight, quant_state)
+                attach_quant_state(weight, quant_state)
         if quant_state is not None:
             for key, value in quant_state.as_dict(packed=True).items():
                 destination[prefix + "weight." + key] = value if keep_vars else value.detach()
@@ -487,9 +559,7 @@ class Linear4bit(nn.Linear):
         device = self.weight.device
         try:
             if is_dtensor(self.weight):
-                from q4torch._src import fsdp  # torch.distributed.tensor is loaded (the weight is a DTensor)
-
-                fsdp.load_sharded(self, weight_key, data, stats)
+                load_sharded(self, weight_key, data, stats)
             elif any(k.startswith(JSON_KEY_PREFIX) for k in stats):
                 new = Params4bit.from_prequantized(data, stats, device=device, module=self)
                 self.check_state_shape(weight_key, new.quant_state)

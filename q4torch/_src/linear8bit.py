@@ -44,7 +44,9 @@ from torch import nn
 from q4._src import formats, weights
 from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4torch import functional as F
+from q4torch._src import eager
 from q4torch._src.linear4bit import weight_and_bias
+from q4torch._src.torch_internals import make_subclass, parse_to
 
 _FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -121,7 +123,7 @@ class Int8Params(nn.Parameter):
     ) -> Int8Params:
         if data is None:
             data = torch.empty(0)
-        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self = make_subclass(cls, data, requires_grad)
         self.CB = CB
         self.SCB = SCB
         self.has_fp16_weights = has_fp16_weights
@@ -147,7 +149,7 @@ class Int8Params(nn.Parameter):
         return self.to(device="cuda" if device is None else device, non_blocking=non_blocking)
 
     def to(self, *args, **kwargs):
-        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, non_blocking, _ = parse_to(*args, **kwargs)
         quantized = self.dtype == torch.int8
         if not quantized and device is not None and device.type != "meta" and self.device.type == "cpu":
             return self._quantize(device)
@@ -305,7 +307,8 @@ class Linear8bitLt(nn.Linear):
             if x.dtype == torch.float64:  # (the kernels take fp32/fp16/bf16: fp64 computes in fp32, as Linear4bit)
                 b = None if bias is None else bias.to(torch.float32)
                 return F.int8_linear(x.to(torch.float32), w, scb, self.threshold, b).to(x.dtype)
-            return F.int8_linear(x, w, scb, self.threshold, bias)
+            y = eager.int8_linear(x, w, scb, self.threshold, bias)
+            return F.int8_linear(x, w, scb, self.threshold, bias) if y is None else y
         # Unquantized float weight: quantize a temporary copy (nothing stored).
         CB, SCB = _quantize_weight(w.detach())
         y = F.int8_linear(x, CB, SCB, self.threshold, bias)

@@ -288,7 +288,7 @@ def gemm_4bit_call(x, packed_ptr, n, k, scales, blocksize, quant_type, bias, act
     a packed weight whose C ABI arguments (packed_ptr, scales from weight_args)
     are already validated: the input checks, the result and the kernel call
     (CPU, or CUDA on x's stream). This is the whole per-call cost of a batch-1
-    eager forward besides the kernel (functional.matmul_4bit calls it
+    eager forward besides the kernel (eager.matmul_4bit calls it
     directly), so it does no more than it must: ~1 us a line when the weight
     has just pushed Python's own data out of the caches."""
     xcode = _DTYPE_CODE.get(x.dtype)
@@ -353,7 +353,7 @@ def gemm_4bit(
 # weight whose memory a new one reuses finds the new one's arguments; the
 # nested offset's value is read on every call. Bounded: a compiled decoder's
 # layers hit it on every token, a process that makes weights endlessly does not
-# grow it. (The eager layers keep theirs per QuantState: functional._PREPARED.)
+# grow it. (The eager layers keep theirs per QuantState: eager._PREPARED.)
 _WEIGHT_ARGS: dict[tuple, tuple] = {}
 _WEIGHT_ARGS_MAX = 4096
 
@@ -448,7 +448,7 @@ def gemm_4bit_grad_input_call(
 ) -> torch.Tensor:
     """q4::gemm_4bit_grad_input's work: the checks, the result and the kernel
     call (CPU, or CUDA on grad_out's stream). The eager backward
-    (EagerGemm4bit) calls it directly."""
+    (eager.EagerGemm4bit) calls it directly."""
     gcode = dtype_code(grad_out.dtype, "grad_out")
     if grad_out.shape[-1] != n:
         raise ValueError(f"grad_out has {grad_out.shape[-1]} features, the weight has {n} outputs")
@@ -490,10 +490,10 @@ def _gemm_setup_context(ctx, inputs, output):
 
 
 def _gemm_backward(ctx, grad):
-    return _gemm_grads(ctx, grad, gemm_4bit_grad_input, 9)
+    return gemm_grads(ctx, grad, gemm_4bit_grad_input, 9)
 
 
-def _gemm_grads(ctx, grad, grad_input, bias_index: int) -> tuple:
+def gemm_grads(ctx, grad, grad_input, bias_index: int) -> tuple:
     """The gradients of a gemm_4bit / gemm_4bit_w4a8 call: of x (the input
     gradient kernel, called through grad_input) and of the bias (at input
     bias_index), None for every other input. The weight comes from the
@@ -511,50 +511,6 @@ def _gemm_grads(ctx, grad, grad_input, bias_index: int) -> tuple:
 
 gemm_4bit.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
 gemm_4bit_w4a8.register_autograd(_gemm_backward, setup_context=_gemm_setup_context)
-
-
-def _direct_backward(grad: torch.Tensor) -> bool:
-    """Whether an eager node's backward may call a kernel directly: a plain
-    CPU gradient with nothing tracing or recording (else the op, which a
-    compiled autograd or a dispatch mode sees). A backward that records
-    (create_graph=True with a gradient that requires grad) takes the op too,
-    so a second derivative through it raises the op's error rather than
-    silently counting as zero."""
-    return (
-        type(grad) is torch.Tensor
-        and grad.is_cpu
-        and not (torch.is_grad_enabled() and grad.requires_grad)
-        and not torch.compiler.is_compiling()
-        and not torch._C._is_torch_function_mode_enabled()
-        and torch._C._len_torch_dispatch_stack() == 0
-    )
-
-
-class EagerGemm4bit(torch.autograd.Function):
-    """q4::gemm_4bit (activation_quant=None) or q4::gemm_4bit_w4a8 ('int8')
-    with its autograd, for eager CPU calls that record a graph: the same
-    kernels with the same arguments (so the same bytes, forward and
-    backward) and the same saved tensors as the op's autograd, without the
-    custom op's dispatch (~50-100 us a call in Python, more than the kernel
-    on a small layer). functional.matmul_4bit takes it under the conditions
-    of functional._eager_cpu; the backward calls the op instead when it is
-    being traced (compiled autograd) or runs under a dispatch mode.
-
-    apply(x, packed, absmax, nested_absmax, nested_offset, bias, n, k,
-    scales, blocksize, quant_type, activation_quant): packed flat uint8;
-    scales the forward's validated C ABI arguments (weight_args) -- the
-    backward validates its own from the saved tensors, never reusing
-    pointers across a recompute."""
-
-    @staticmethod
-    def forward(ctx, x, packed, absmax, nested_absmax, nested_offset, bias, n, k, scales, blocksize, quant_type, aq):
-        ctx.save_for_backward(packed, absmax, nested_absmax, nested_offset)
-        ctx.meta = (n, k, blocksize, quant_type, None if bias is None else bias.dtype)
-        return gemm_4bit_call(x, packed.data_ptr(), n, k, scales, blocksize, quant_type, bias, aq)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gemm_grads(ctx, grad, gemm_4bit_grad_input_call if _direct_backward(grad) else gemm_4bit_grad_input, 5)
 
 
 # ------------------------------------------------------------------ LLM.int8
@@ -612,7 +568,7 @@ def int8_linear(
 
 def int8_linear_call(x, weight, weight_scale, threshold, bias) -> torch.Tensor:
     """q4::int8_linear's work: the checks, the result and the kernel call (CPU,
-    or CUDA on x's stream). functional.int8_linear calls it directly in eager
+    or CUDA on x's stream). eager.int8_linear calls it directly in eager
     mode when nothing records (as matmul_4bit calls gemm_4bit_call)."""
     xcode = dtype_code(x.dtype, "int8_linear input")
     n, k = _int8_weight(weight, weight_scale)
@@ -655,7 +611,7 @@ def int8_grad_input(grad_out: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 
 def int8_grad_input_call(grad_out, weight, weight_scale) -> torch.Tensor:
-    """q4::int8_grad_input's work (the eager backward, EagerInt8Linear, calls it directly)."""
+    """q4::int8_grad_input's work (the eager backward, eager.EagerInt8Linear, calls it directly)."""
     gcode = dtype_code(grad_out.dtype, "grad_out")
     n, k = _int8_weight(weight, weight_scale)
     if grad_out.shape[-1] != n:
@@ -682,17 +638,17 @@ def _(grad_out, weight, weight_scale):
     return grad_out.new_empty(grad_out.shape[:-1] + (weight.shape[1],))
 
 
-def _int8_setup_context(ctx, inputs, output):
+def int8_setup_context(ctx, inputs, output):
     x, weight, weight_scale, threshold, bias = inputs
     ctx.save_for_backward(weight, weight_scale)
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _int8_backward(ctx, grad):
-    return _int8_grads(ctx, grad, int8_grad_input)
+    return int8_grads(ctx, grad, int8_grad_input)
 
 
-def _int8_grads(ctx, grad, grad_input) -> tuple:
+def int8_grads(ctx, grad, grad_input) -> tuple:
     """The gradients of an int8_linear call (x, weight, weight_scale,
     threshold, bias): of x through grad_input, of the bias, None for the rest."""
     weight, weight_scale = ctx.saved_tensors
@@ -704,19 +660,4 @@ def _int8_grads(ctx, grad, grad_input) -> tuple:
     return grad_x, None, None, None, grad_bias
 
 
-int8_linear.register_autograd(_int8_backward, setup_context=_int8_setup_context)
-
-
-class EagerInt8Linear(torch.autograd.Function):
-    """q4::int8_linear with its autograd for eager CPU calls that record a
-    graph (as EagerGemm4bit): the same kernels, arguments and saved tensors,
-    without the op's dispatch. apply(x, weight, weight_scale, threshold, bias)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, weight_scale, threshold, bias):
-        _int8_setup_context(ctx, (x, weight, weight_scale, threshold, bias), None)
-        return int8_linear_call(x, weight, weight_scale, threshold, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _int8_grads(ctx, grad, int8_grad_input_call if _direct_backward(grad) else int8_grad_input)
+int8_linear.register_autograd(_int8_backward, setup_context=int8_setup_context)

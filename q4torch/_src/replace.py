@@ -15,7 +15,10 @@ from torch import nn
 import q4
 from q4._src import formats, quantizers
 from q4._src.report import EMBEDDINGS_OFF, SKIP_RULE, QuantizeReport, ReportRow
-from q4._src.weights import quantize_weight_4bit
+from q4torch._src.embedding import Embedding4bit, Embedding8bit, StableEmbedding, quantized_embedding
+from q4torch._src.linear4bit import Linear4bit
+from q4torch._src.linear8bit import Linear8bitLt
+from q4torch._src.quantize import quantized_linear
 
 logger = logging.getLogger("q4torch")
 
@@ -25,98 +28,6 @@ QUANT_TYPES = formats.LAYER_TYPES  # (the name q4torch has exported)
 def _skipped(name: str, skip) -> bool:
     last = name.rsplit(".", 1)[-1]
     return any(fnmatch.fnmatchcase(name, pat) or fnmatch.fnmatchcase(last, pat) for pat in skip)
-
-
-def _quantized(
-    linear: nn.Linear,
-    quant_type,
-    compute_dtype,
-    blocksize,
-    compress_statistics,
-    threshold,
-    activation_quant=None,
-    method: str = "absmax",
-    hessian: np.ndarray | None = None,
-    damp: float = 0.01,
-) -> nn.Module:
-    from q4torch.nn import Linear4bit, Linear8bitLt
-
-    device = linear.weight.device
-    weight = linear.weight.detach()
-    new: Linear8bitLt | Linear4bit
-    if quant_type == "int8":
-        new = Linear8bitLt(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            has_fp16_weights=False,
-            threshold=threshold,
-            device="meta",
-        )
-    else:
-        new = Linear4bit(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            compute_dtype=compute_dtype,
-            compress_statistics=compress_statistics,
-            quant_type=quant_type,
-            device="meta",
-        )
-        new.activation_quant = activation_quant
-    new.weight = quantized_weight(
-        new, weight, blocksize, compress_statistics, quant_type, method=method, hessian=hessian, damp=damp
-    )
-    if linear.bias is not None:
-        new.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-    return new.to(device)
-
-
-def quantized_weight(
-    layer: nn.Module,
-    weight: torch.Tensor,
-    blocksize: int,
-    compress_statistics: bool,
-    quant_type: str,
-    quant_storage: torch.dtype = torch.uint8,
-    *,
-    method: str = "absmax",
-    hessian: np.ndarray | None = None,
-    damp: float = 0.01,
-) -> nn.Parameter:
-    """A new quantized weight Parameter for the q4 ``layer`` (a linear or
-    embedding layer) from a float ``weight`` (nothing existing is written):
-    for 'int8' an ``Int8Params`` (quantized as it moves to the weight's
-    device); else a ``Params4bit`` with the given 4-bit settings (the
-    layer's quant_state follows it), its scales and codes by ``method``:
-    'absmax' (bitsandbytes') quantizes on the weight's device as the
-    parameters' first move there does (a meta weight stays unquantized);
-    'mse' / 'gptq' (``hessian``, ``damp``) run q4's quantizers on the host
-    (q4/_src/quantizers.py) and place the result on the weight's device.
-    The one place that builds them: replace_linear, quantized embeddings,
-    transformers' quantize on load and peft's requantize."""
-    from q4torch.nn import Int8Params, Params4bit
-
-    weight = weight.detach()
-    if quant_type == "int8":
-        # Int8Params quantizes on a move from the CPU (bitsandbytes' rule)
-        return Int8Params(weight.cpu(), requires_grad=False, has_fp16_weights=False).to(weight.device)
-    if method == "absmax":
-        return Params4bit(
-            weight,
-            requires_grad=False,
-            blocksize=blocksize,
-            compress_statistics=compress_statistics,
-            quant_type=quant_type,
-            quant_storage=quant_storage,
-            module=layer,  # type: ignore[arg-type]
-        ).to(weight.device)
-    packed, st = quantize_weight_4bit(
-        weight.float().cpu().numpy(), blocksize, quant_type, compress_statistics, method,
-        hessian=hessian, damp=damp, dtype=str(weight.dtype).removeprefix("torch."),
-    )  # fmt: skip
-    stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
-    return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device=weight.device, module=layer)  # type: ignore[arg-type]
 
 
 def replace_linear(
@@ -171,8 +82,6 @@ def replace_linear(
     (transformers' Conv1D, convolutions). Leftovers no option asked for are logged at
     WARNING; ``strict=True`` raises a ValueError naming them.
     """
-    from q4torch._src.embedding import quantized_embedding
-
     formats.check_layer_options(quant_type, blocksize, activation_quant)
     quantizers.check_method_options(method, quant_type, calibration, gptq_damp)
     if isinstance(skip, str):
@@ -213,7 +122,7 @@ def replace_linear(
                         seen.add(id(child))
                         continue
                 try:
-                    new = _quantized(
+                    new = quantized_linear(
                         child,
                         quant_type,
                         compute_dtype,
@@ -252,10 +161,6 @@ def replace_linear(
 
 
 def _q4_layer_types() -> tuple[type, ...]:
-    from q4torch._src.embedding import Embedding4bit, Embedding8bit, StableEmbedding
-    from q4torch._src.linear4bit import Linear4bit
-    from q4torch._src.linear8bit import Linear8bitLt
-
     return (Linear4bit, Linear8bitLt, Embedding4bit, Embedding8bit, StableEmbedding)
 
 
@@ -422,8 +327,6 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.M
     ``load_state_dict``). A quantized layer the model has as neither is a
     ValueError naming it. Returns ``model``.
     """
-    from q4torch._src.embedding import quantized_embedding
-
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = q4.checkpoint.load_checkpoint(checkpoint)
     if not isinstance(checkpoint, Mapping):
@@ -453,7 +356,7 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.M
                 replaced[id(linear)] = (
                     quantized_embedding(linear, quant_type, blocksize or 64, bool(nested))
                     if type(linear) is nn.Embedding
-                    else _quantized(linear, quant_type, None, blocksize or 64, bool(nested), 0.0)
+                    else quantized_linear(linear, quant_type, None, blocksize or 64, bool(nested), 0.0)
                 )
             model.set_submodule(name, replaced[id(linear)])
     model.load_state_dict({k: _to_torch(v) for k, v in checkpoint.items()}, strict=strict)
@@ -461,8 +364,4 @@ def load_quantized(model: nn.Module, checkpoint, *, strict: bool = True) -> nn.M
 
 
 def _is_quantized(module) -> bool:
-    from q4torch._src.embedding import Embedding4bit, Embedding8bit
-    from q4torch._src.linear4bit import Linear4bit
-    from q4torch._src.linear8bit import Linear8bitLt
-
     return isinstance(module, (Linear4bit, Linear8bitLt, Embedding4bit, Embedding8bit))

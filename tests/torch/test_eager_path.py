@@ -14,7 +14,7 @@ import torch
 from q4_reference import inputs
 
 from q4torch import functional as F
-from q4torch._src import ops
+from q4torch._src import eager, ops
 from q4torch.nn import Int8Params, Linear4bit, Linear8bitLt
 
 
@@ -102,7 +102,7 @@ def test_recording_call_gives_the_op_bytes_and_gradients(
     rng, op_calls, grad_op_calls, dtype, nested, bias_grad, activation_quant
 ):
     """With x (or the bias) requiring grad, an eager CPU call records its own
-    autograd node (ops.EagerGemm4bit) instead of dispatching the op: the
+    autograd node (eager.EagerGemm4bit) instead of dispatching the op: the
     output, dX and dBias are the op's, bit for bit, and neither op runs."""
     packed, qs = _weight(rng, nested=nested)
     x = torch.from_numpy(inputs.make(rng, (2, 3, 256), "float32")).to(dtype)
@@ -137,7 +137,7 @@ def test_second_derivatives_are_refused_on_both_paths(rng, monkeypatch, direct, 
     raises (a recording backward of the direct node calls the op), never a
     silent zero beside another term that reaches x."""
     if not direct:
-        monkeypatch.setattr(F, "_eager_cpu", lambda *args, **kwargs: False)
+        monkeypatch.setattr(eager, "eager_cpu", lambda *args, **kwargs: False)
     x = torch.from_numpy(inputs.make(rng, (3, 256), "float32")).requires_grad_(True)
     if kind == "4bit":
         packed, qs = _weight(rng)
@@ -340,7 +340,7 @@ def _int8_layer(rng, threshold):
 def test_int8_layer_direct_call_gives_the_op_bytes(rng, int8_op_calls, monkeypatch, dtype, threshold, mode):
     """Linear8bitLt passes its Int8Params, SCB and nn.Parameter bias as they
     are: the direct call runs in every mode (the op's bytes, outlier columns
-    included), recording its own node (ops.EagerInt8Linear) where autograd
+    included), recording its own node (eager.EagerInt8Linear) where autograd
     needs it, whose dX and dBias are the op's autograd's, bit for bit."""
     layer = _int8_layer(rng, threshold)
     x = torch.from_numpy(inputs.make(rng, (5, 256), "float32")).to(dtype)

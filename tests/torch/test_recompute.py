@@ -16,8 +16,7 @@ import torch
 from q4_reference import inputs
 from torch.utils.checkpoint import checkpoint
 
-from q4torch import functional as F
-from q4torch._src import ops
+from q4torch._src import eager, ops
 from q4torch.nn import Linear4bit, Params4bit
 
 LAYERS, WIDTH = 5, 64
@@ -96,10 +95,10 @@ def _node_names(node) -> set:
 @pytest.fixture(params=["direct", "op"])
 def path(request, monkeypatch):
     """The layers' two autograd paths: eager CPU calls record their own node
-    (ops.EagerGemm4bit); with the direct call turned off, the q4::gemm_4bit
+    (eager.EagerGemm4bit); with the direct call turned off, the q4::gemm_4bit
     op's autograd. Both save the weight with save_for_backward."""
     if request.param == "op":
-        monkeypatch.setattr(F, "_eager_matmul_4bit", lambda *args: None)
+        monkeypatch.setattr(eager, "matmul_4bit", lambda *args: None)
     return "EagerGemm4bitBackward" if request.param == "direct" else "GeneratedBackwardFor_q4_gemm_4bit_defaultBackward"
 
 
