@@ -52,11 +52,10 @@ from q4._src import formats
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as qf
 from q4torch._src import ops
-from q4torch._src.linear4bit import Params4bit, load_all_but_weight
-from q4torch._src.linear8bit import Int8Params, apply_keeping_scb, check_weight_format
+from q4torch._src.linear4bit import Params4bit, load_all_but_weight, save_4bit_entries
+from q4torch._src.linear8bit import Int8Params, apply_keeping_scb, check_weight_format, save_int8_entries
 from q4torch._src.quantize import quantized_weight
 
-_FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -225,8 +224,7 @@ class Embedding4bit(nn.Embedding):
         weight = self.weight
         qs = getattr(weight, "quant_state", None) or self.quant_state
         if qs is not None and getattr(weight, "bnb_quantized", False):
-            for key, value in qs.as_dict(packed=True).items():
-                destination[prefix + "weight." + key] = value if keep_vars else value.detach()
+            save_4bit_entries(destination, prefix, qs, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
         weight_key = prefix + "weight"
@@ -371,8 +369,7 @@ class Embedding8bit(nn.Embedding):
             scb = getattr(w, "SCB", None)
             if scb is None:
                 raise RuntimeError(f"cannot save {prefix}weight: it is int8 but has no SCB (row scales)")
-            destination[prefix + "SCB"] = scb if keep_vars else scb.detach()
-            destination[prefix + "weight_format"] = torch.tensor(_FORMAT_ROW, dtype=torch.uint8)
+            save_int8_entries(destination, prefix, scb, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
         """Validates everything first and changes nothing on error; loaded

@@ -41,7 +41,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 import q4
 from q4._src import formats, pages, quantizers
 from q4._src.quant_state import JSON_KEY_PREFIX
-from q4torch._src.quantize import quantized_linear, quantized_weight
+from q4torch._src.quantize import dequantized_weight, quantized_linear, quantized_weight
 
 METHOD = "q4"
 _BNB_METHODS = ("bitsandbytes_4bit", "bitsandbytes_8bit")
@@ -575,21 +575,6 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.M
             new.bias = module.bias
         model.set_submodule(name, new)
     return model
-
-
-def dequantized_weight(module: nn.Module) -> torch.Tensor:
-    """The fp32 weight [out, in] a q4torch Linear4bit / Linear8bitLt computes with."""
-    from q4torch import functional as F
-    from q4torch.nn import Linear8bitLt
-
-    w: Any = module.weight
-    if isinstance(module, Linear8bitLt):
-        if w.dtype != torch.int8:
-            return w.detach().float()
-        return F.int8_vectorwise_dequant(w.detach(), w.SCB)
-    if not getattr(w, "bnb_quantized", False):
-        return w.detach().float()
-    return F.dequantize_4bit(w.detach(), w.quant_state).float()
 
 
 _saved: dict[str, Any] = {}

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import q4
-from q4._src import formats
+from q4._src import formats, schema
 from q4._src.quant_state import JSON_KEY_PREFIX
 from q4torch import functional as F
 from q4torch._src import eager
@@ -387,6 +387,14 @@ def load_sharded(layer: Linear4bit, weight_key: str, data: torch.Tensor, stats: 
     attach_quant_state(weight, quant_state)
 
 
+def save_4bit_entries(destination: dict, prefix: str, quant_state: F.QuantState, keep_vars: bool) -> None:
+    """A 4-bit weight's quantization entries (``{prefix}weight.absmax``, ...,
+    its quant_state JSON) added to a state dict that holds its packed
+    ``{prefix}weight``, through the checkpoint schema's writer (q4/_src/schema.py)."""
+    entries = {k: v if keep_vars else v.detach() for k, v in quant_state.as_dict(packed=True).items()}
+    destination.update(schema.quant4_entries(destination[prefix + "weight"], entries, prefix=prefix))
+
+
 class Linear4bit(nn.Linear):
     """A linear layer with a 4-bit weight (NF4 or FP4, blockwise, optionally
     nested absmax), as bitsandbytes.nn.Linear4bit.
@@ -538,8 +546,7 @@ class Linear4bit(nn.Linear):
             if quant_state is not None:
                 attach_quant_state(weight, quant_state)
         if quant_state is not None:
-            for key, value in quant_state.as_dict(packed=True).items():
-                destination[prefix + "weight." + key] = value if keep_vars else value.detach()
+            save_4bit_entries(destination, prefix, quant_state, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
         weight_key = prefix + "weight"

@@ -41,14 +41,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from q4._src import formats, weights
+from q4._src import formats, schema, weights
 from q4._src.checkpoint import CheckpointError, parse_weight_format
 from q4torch import functional as F
 from q4torch._src import eager
 from q4torch._src.linear4bit import weight_and_bias
 from q4torch._src.torch_internals import make_subclass, parse_to
 
-_FORMAT_ROW = 0  # bitsandbytes' LINEAR_8BIT_WEIGHTS_FORMAT_MAPPING["row"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -99,6 +98,16 @@ def _quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(torch.isfinite(SCB).all()):
         weights.check_int8_scales(SCB.detach().cpu().numpy())
     return CB, SCB
+
+
+def save_int8_entries(destination: dict, prefix: str, scb: torch.Tensor, keep_vars: bool) -> None:
+    """An int8 weight's ``{prefix}SCB`` and ``{prefix}weight_format`` (row-major)
+    added to a state dict that holds its ``{prefix}weight``, through the
+    checkpoint schema's writer (q4/_src/schema.py), in bitsandbytes' order."""
+    scb = scb if keep_vars else scb.detach()
+    destination.update(
+        schema.int8_entries(destination[prefix + "weight"], scb, prefix=prefix, as_tensor=torch.from_numpy)
+    )
 
 
 class Int8Params(nn.Parameter):
@@ -335,8 +344,7 @@ class Linear8bitLt(nn.Linear):
                     f"cannot save {prefix}weight: it is int8 but has no SCB (row scales), "
                     "so the checkpoint could not be loaded"
                 )
-            destination[prefix + "SCB"] = scb if keep_vars else scb.detach()
-            destination[prefix + "weight_format"] = torch.tensor(_FORMAT_ROW, dtype=torch.uint8)
+            save_int8_entries(destination, prefix, scb, keep_vars)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errs):
         """Validates everything first and changes nothing on error. Loaded

@@ -39,10 +39,9 @@ from peft.utils.other import transpose
 from torch import nn
 from torch.nn import functional as torch_F
 
-from q4torch._src.hf import dequantized_weight
 from q4torch._src.linear4bit import Linear4bit
 from q4torch._src.linear8bit import Linear8bitLt
-from q4torch._src.quantize import quantized_weight
+from q4torch._src.quantize import dequantized_weight, quantized_weight
 
 _PLAIN_INITS = (True, False, "gaussian")
 

@@ -27,6 +27,7 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 # graphs, where a ctypes call cannot be traced
 _MIN_BLOCKSIZE, _MAX_BLOCKSIZE = formats.min_blocksize(), formats.max_blocksize()
 _NESTED_BLOCKSIZE = formats.nested_blocksize()
+_QUANT_TYPES = tuple(formats.quant_type_codes())
 _NO_ARRAY = np.empty(0, np.float32)  # (QuantState._json_fields)
 
 
@@ -277,7 +278,8 @@ def check_quant_state(quant_state, packed: torch.Tensor | None = None, what: str
     if not isinstance(quant_state, QuantState):
         raise TypeError(f"{what} must be a q4torch.functional.QuantState, got {type(quant_state).__name__}")
     qs = quant_state
-    formats.check_quant_type(qs.quant_type)
+    if qs.quant_type not in _QUANT_TYPES:
+        formats.check_quant_type(qs.quant_type)  # raises, naming the value
     bs = qs.blocksize
     if isinstance(bs, bool) or not isinstance(bs, int) or not (_MIN_BLOCKSIZE <= bs <= _MAX_BLOCKSIZE) or bs & (bs - 1):
         raise ValueError(f"{what}.blocksize must be a power of two in [{_MIN_BLOCKSIZE}, {_MAX_BLOCKSIZE}], got {bs!r}")

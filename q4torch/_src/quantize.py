@@ -1,21 +1,25 @@
-"""Quantized weights and layers built from float ones: quantized_weight (a new
-Params4bit / Int8Params) and quantized_linear (a new Linear4bit /
-Linear8bitLt). Above the parameter and linear layer modules and below
-everything that builds quantized layers (embeddings, replace_linear,
-transformers and peft integration), so that none of those import each other
-for it."""
+"""Quantized weights and layers built from float ones, and back:
+quantized_weight (a new Params4bit / Int8Params), quantized_linear (a new
+Linear4bit / Linear8bitLt), dequantized_weight (the fp32 weight a layer
+computes with). Above the parameter and linear layer modules and below
+everything that builds or unpacks quantized layers (embeddings,
+replace_linear, transformers and peft integration), so that none of those
+import each other for it."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from q4._src.weights import quantize_weight_4bit
+from q4torch import functional as F
 from q4torch._src.linear4bit import Linear4bit, Params4bit
 from q4torch._src.linear8bit import Int8Params, Linear8bitLt
 
-__all__ = ["quantized_linear", "quantized_weight"]
+__all__ = ["dequantized_weight", "quantized_linear", "quantized_weight"]
 
 
 def quantized_linear(
@@ -108,3 +112,15 @@ def quantized_weight(
     )  # fmt: skip
     stats = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in st.to_dict().items()}
     return Params4bit.from_prequantized(torch.from_numpy(packed), stats, device=weight.device, module=layer)  # type: ignore[arg-type]
+
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """The fp32 weight [out, in] a q4torch Linear4bit / Linear8bitLt computes with."""
+    w: Any = module.weight
+    if isinstance(module, Linear8bitLt):
+        if w.dtype != torch.int8:
+            return w.detach().float()
+        return F.int8_vectorwise_dequant(w.detach(), w.SCB)
+    if not getattr(w, "bnb_quantized", False):
+        return w.detach().float()
+    return F.dequantize_4bit(w.detach(), w.quant_state).float()
