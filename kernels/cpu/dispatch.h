@@ -116,7 +116,7 @@ using Int8GradFn = bool (*)(const Int8Grad& a);
 // An LLM.int8 input gradient kernel given the call as it is (dY in its own
 // dtype), of another contract than the exact one: the bf16-compute contract
 // for bf16 dY, fp32 sums of exact part products for fp32 dY
-// (x86/amx/gemm4.cc). Runs before the int8_grad chain; false: not served.
+// (x86/amx/grad4.cc, split.cc). Runs before the int8_grad chain; false: not served.
 using Int8GradInputFn = bool (*)(const Int8GradInputParams& p);
 
 // The LLM.int8 ops with one level's loops (cpu/int8_loops.h: the drivers;
@@ -244,7 +244,8 @@ constexpr int64_t kInt8GemmMinM = 64;  // measured: below it the int8_dots tiles
 bool w4a8(const Gemm4bitParams& p, const gemm4::Scales& scales);
 }  // namespace avx512_bf16
 namespace amx {
-// bf16 inputs on the tile unit (TDPBF16PS), x86/amx/gemm4.cc; returns false
+// bf16 inputs on the tile unit (TDPBF16PS), x86/amx/gemm4.cc (the gradients
+// in grad4.cc, the fp32 split kernels in split.cc); returns false
 // for other input dtypes and for few x rows (the avx512_bf16 gemv runs)
 bool gemm4(const Gemm4bitParams& p, const gemm4::Scales& scales);
 // the same from kRowsMinM x rows with x read in place (C in the output's

@@ -38,7 +38,7 @@
 //              one multiply and one add per term (no FMA) in both paths, so
 //              the scalar and AVX2 results are identical.
 // On the amx level two kernels of other contracts take the calls they serve
-// first (x86/amx/gemm4.cc): bf16 dY under the bf16-compute contract, and
+// first (x86/amx/grad4.cc, split.cc): bf16 dY under the bf16-compute contract, and
 // fp32 dY as exact bf16 part products of g and CB summed in fp32 (within
 // the fp32 bound of the exact sum; other bytes).
 // The loops of every path are in int8_loops.h; the scalar ones are the
