@@ -27,6 +27,7 @@
 namespace q4 {
 namespace cpu {
 namespace amx {
+namespace {  // internal linkage in each unit, as when these lived in one .cc
 
 using gemm4::kSlotAcc;
 using gemm4::kSlotInput;
@@ -184,6 +185,7 @@ inline void int8_column_scales(const Int8GradInputParams& p, float* s) {
   for (int64_t j = 0; j < p.n; ++j) s[j] = p.weight_scale[j] * int8::kInv127;
 }
 
+}  // namespace
 }  // namespace amx
 }  // namespace cpu
 }  // namespace q4
