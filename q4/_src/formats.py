@@ -19,25 +19,27 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _DYNAMIC_TABLES = {"dynamic": 2, "udynamic": 3}
 
 
-@functools.cache
 def quant_type_codes() -> dict[str, int]:
     """The 4-bit formats, name -> kernel code (quant_type), in the library's
     order: its format list (kernels/include/q4/formats.h, read through
-    q4_formats()) is the only list of them."""
-    return native.formats()
+    q4_formats()) is the only list of them. Read once; afterwards
+    QUANT_TYPE_CODES, QUANT_TYPES and LAYER_TYPES are plain module attributes
+    (no call inside a torch.compile graph)."""
+    codes = globals().get("QUANT_TYPE_CODES")
+    if codes is None:
+        codes = native.formats()
+        globals().update(QUANT_TYPE_CODES=codes, QUANT_TYPES=tuple(codes), LAYER_TYPES=(*codes, "int8"))
+    return codes
 
 
 def __getattr__(name: str) -> Any:
-    # The format names are the library's (read when first asked for, which
+    # The format names are the library's, read when first asked for (which
     # loads it): QUANT_TYPES (the 4-bit formats), QUANT_TYPE_CODES (name ->
     # kernel code) and LAYER_TYPES (what a layer can be quantized to: a 4-bit
     # format, or LLM.int8).
-    if name == "QUANT_TYPE_CODES":
-        return quant_type_codes()
-    if name == "QUANT_TYPES":
-        return tuple(quant_type_codes())
-    if name == "LAYER_TYPES":
-        return (*quant_type_codes(), "int8")
+    if name in ("QUANT_TYPE_CODES", "QUANT_TYPES", "LAYER_TYPES"):
+        quant_type_codes()
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
