@@ -17,6 +17,7 @@ import pytest
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import q4  # noqa: E402
+from q4._src import native  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -62,14 +63,7 @@ def device(request):
 
 
 def _use_isa(name):
-    supported = {
-        "scalar": True,
-        "avx2": q4.cpu_has_avx2(),
-        "avx512": q4.cpu_has_avx512(),
-        "avx512_bf16": q4.cpu_has_avx512_bf16(),
-        "amx": q4.cpu_has_amx(),
-    }
-    if not supported[name]:
+    if not native.cpu_has_isa(name):
         pytest.skip(f"not run: the processor lacks {name} ({q4.cpu_features()['features']})")
     before = q4.cpu_isa()
     q4.set_cpu_isa(name)
@@ -95,7 +89,7 @@ def isa(request):
         yield name
 
 
-@pytest.fixture(params=["amx", "avx512_bf16", "avx512", "avx2", "scalar"])
+@pytest.fixture(params=list(reversed(native.isa_names().values())))  # the library's levels, highest first
 def isa_all(request):
     """As `isa`, plus the AVX-512 levels (their kernels: kernels/cpu/dispatch.h)."""
     with on_isa(request.param) as name:

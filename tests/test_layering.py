@@ -126,3 +126,28 @@ def test_q4_imports_no_front_end():
         if target.split(".")[0] in FRONT_ENDS
     )
     assert bad == []
+
+
+# Source files over 700 lines, each with the one concern its header states (the
+# words below appear in its first lines). A file that grows past 700 lines joins
+# this list with its concern, or is split; a listed file that shrinks leaves it.
+LONG_FILES = {
+    "q4jax/_src/sharding.py": "Quantized matmuls over a device mesh",
+    "kernels/cpu/x86/avx512/gemm4_tiled.cc": "AVX-512 fp32 fused 4-bit matmuls for more than one row",
+    "kernels/cpu/x86/avx512_bf16/gemm4.cc": "AVX512_BF16 kernels of the fused 4-bit matmuls",
+}
+LONG = 700
+
+
+def test_long_files_state_their_one_concern():
+    sources = [
+        p
+        for d in (*PACKAGES, "kernels")
+        for p in sorted((ROOT / d).rglob("*"))
+        if p.suffix in {".py", ".h", ".cc", ".cu", ".cuh", ".inc"}
+    ]
+    long = {p.relative_to(ROOT).as_posix(): p for p in sources if len(p.read_text().splitlines()) > LONG}
+    assert sorted(long) == sorted(LONG_FILES), "files over 700 lines: list each with its concern, or split it"
+    for name, concern in LONG_FILES.items():
+        head = " ".join(line.strip('/#*" ') for line in long[name].read_text().splitlines()[:4])
+        assert concern in head, f"{name}: its header does not state {concern!r}"

@@ -250,6 +250,14 @@ def set_cpu_isa(isa: str) -> None:
     check(lib().q4_set_cpu_isa(codes[isa]))
 
 
+def cpu_has_isa(isa: str) -> bool:
+    """Whether this processor and OS support ISA level `isa` (a name of isa_names())."""
+    codes = {v: k for k, v in isa_names().items()}
+    if not isinstance(isa, str) or isa not in codes:
+        raise ValueError(f"isa must be one of {', '.join(codes)}, got {isa!r}")
+    return bool(lib().q4_cpu_has_isa(codes[isa]))
+
+
 def cpu_has_avx2() -> bool:
     """Whether this processor and OS support the avx2 level (AVX2 + FMA)."""
     return bool(lib().q4_cpu_has_avx2())

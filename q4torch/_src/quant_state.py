@@ -44,7 +44,7 @@ class QuantState:
     (its absmax and the dynamic map).
     """
 
-    valid_quant_types = ("fp4", "nf4")
+    valid_quant_types = _QUANT_TYPES  # (bitsandbytes' attribute; the library's list of formats)
     valid_qs_type_keys = [f"{JSON_KEY_PREFIX.split('.', 1)[1]}{x}" for x in valid_quant_types]
     valid_qs_keys = [
         "absmax",
@@ -143,7 +143,8 @@ class QuantState:
             qs_dict = {k: v for k, v in qs_dict.items() if isinstance(v, torch.Tensor)}
             if not isinstance(meta.get("quant_type"), str) or meta["quant_type"] not in cls.valid_quant_types:
                 raise q4.QuantStateError(
-                    f"quant_type must be 'nf4' or 'fp4', got {formats.short_repr(meta.get('quant_type'))}"
+                    f"quant_type must be {' or '.join(map(repr, cls.valid_quant_types))}, "
+                    f"got {formats.short_repr(meta.get('quant_type'))}"
                 )
             try:
                 packed_meta = pack_json(meta)

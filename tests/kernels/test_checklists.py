@@ -8,6 +8,7 @@ import re
 import tokenize
 from pathlib import Path
 
+import pytest
 from q4_reference import oracle
 
 from q4._src import formats, native
@@ -74,17 +75,14 @@ def test_a_format_touches_at_most_four_files():
     the oracle (tests/q4_reference/oracle.py) and the tests' parametrisation
     (tests/kernels/test_quant4.py). No other library file lists the formats
     (the per-format bitsandbytes classes LinearNF4 / LinearFP4 and the
-    quantize_nf4 / quantize_fp4 functions are not lists; q4torch's
-    QuantState.valid_quant_types is)."""
+    quantize_nf4 / quantize_fp4 functions are not lists)."""
     lists = _files_naming_all(formats.QUANT_TYPES, cpp_regex=lambda n: rf"\bk{n.upper()}\b|\b{n}\b")
     known = {"kernels/include/q4/formats.h"}
-    # q4torch's bitsandbytes-compatible QuantState names both formats
-    # (valid_quant_types) and its per-format classes name one each
+    # q4torch's and q4jax's per-format classes and functions name one each
     extra = (
         lists
         - known
         - {
-            "q4torch/_src/quant_state.py",
             "q4torch/_src/linear4bit.py",
             "q4torch/_src/embedding.py",
             "q4torch/functional.py",
@@ -168,3 +166,24 @@ def test_an_isa_level_touches_at_most_six_files():
         "kernels/README.md",
     }
     assert len(touched) <= 6
+
+
+def test_each_level_s_support_is_asked_by_name():
+    """native.cpu_has_isa answers for every level of the library's list (what
+    the tests' level fixtures skip on), agrees with the per-level functions,
+    and refuses a name the list lacks."""
+    names = list(native.isa_names().values())
+    assert native.cpu_has_isa("scalar")
+    named = {
+        "avx2": native.cpu_has_avx2,
+        "avx512": native.cpu_has_avx512,
+        "avx512_bf16": native.cpu_has_avx512_bf16,
+        "amx": native.cpu_has_amx,
+    }
+    for name in names[1:]:
+        assert native.cpu_has_isa(name) == named[name]()
+    # each level implies the ones below it
+    has = [native.cpu_has_isa(n) for n in names]
+    assert has == sorted(has, reverse=True)
+    with pytest.raises(ValueError, match="isa must be one of scalar"):
+        native.cpu_has_isa("avx1024")
