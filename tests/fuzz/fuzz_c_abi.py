@@ -260,6 +260,67 @@ def _case_int8(inp: Input, lib, buf: _Buffers, which: int):
     return rc, valid, {"dx": _alloc_size(m * k, valid) * eb}
 
 
+# hyperparameters of the 8-bit optimizer step: values every one takes, and (one pick in
+# eight) each way one can be bad (1.0: a bad beta, a good learning rate)
+_GOOD_REALS = (1e-3, 0.0, 0.5, 0.9, 0.999)
+_BAD_REALS = (-1e-3, float("nan"), float("inf"), 1.0)
+
+
+def _real(inp: Input) -> float:
+    b = inp.byte()
+    return _GOOD_REALS[b % len(_GOOD_REALS)] if b < 224 else _BAD_REALS[b % len(_BAD_REALS)]
+
+
+def _case_optim8(inp: Input, lib, buf: _Buffers):
+    """optimizer_update_8bit: optimizer 0-3 (adam keeps two states), n elements
+    in blocks of 256 (absmax_size = ceil(n / 256)), float parameter and gradient
+    dtypes, step >= 1, lr / eps / weight_decay / gnorm_scale finite and >= 0,
+    betas in [0, 1); the update output and the skipped-block count optional."""
+    opt, n, pdt, gdt = inp.code(4), inp.count(), inp.code(3), inp.code(3)
+    ab = inp.count() if inp.byte() < 32 else (_cdiv(n, 256) if n > 0 else 0)
+    step = inp.count() if inp.byte() < 64 else 1 + inp.byte()
+    lr, b1, b2, eps, wd, gs = (_real(inp) for _ in range(6))
+    with_update, with_skipped = inp.byte() & 1, inp.byte() & 1
+
+    def ok(v: float) -> bool:
+        return 0.0 <= v < float("inf")
+
+    valid = (
+        0 <= opt <= 3
+        and _count_ok(n)
+        and pdt in ELEM_BYTES
+        and gdt in ELEM_BYTES
+        and ab == _cdiv(n, 256)
+        and step >= 1
+        and all(ok(v) for v in (lr, eps, wd, gs))
+        and all(0.0 <= b < 1.0 for b in (b1, b2))
+    )
+    if valid and n > ALLOC_LIMIT:
+        return None
+    nn, na = _alloc_size(n, valid), _alloc_size(ab, valid)
+    used = {"param": nn * ELEM_BYTES.get(pdt, 4), "state1": nn, "absmax1": na * 4}
+    param = buf.make("param", used["param"], output=True)
+    grad = buf.make("grad", nn * ELEM_BYTES.get(gdt, 4))
+    s1, a1 = buf.make("state1", nn, output=True), buf.make("absmax1", na * 4, output=True)
+    q1 = buf.make("qmap1", 256 * 4)
+    s2 = a2 = q2 = None
+    if opt == 0:
+        used.update(state2=nn, absmax2=na * 4)
+        s2, a2 = buf.make("state2", nn, output=True), buf.make("absmax2", na * 4, output=True)
+        q2 = buf.make("qmap2", 256 * 4)
+    update = skipped = None
+    if with_update:
+        used["update"] = nn * 4
+        update = buf.make("update", nn * 4, output=True)
+    if with_skipped:
+        used["skipped"] = 4
+        skipped = buf.make("skipped", 4, output=True)
+    rc = lib.q4_optimizer_update_8bit(
+        opt, param, pdt, grad, gdt, n, s1, a1, q1, s2, a2, q2, ab, step, lr, b1, b2, eps, wd, gs, skipped, update
+    )
+    return rc, valid, used
+
+
 CASES = (
     ("quantize_4bit", lambda i, lib, b: _case_quant4(i, lib, b, False)),
     ("dequantize_4bit", lambda i, lib, b: _case_quant4(i, lib, b, True)),
@@ -273,6 +334,7 @@ CASES = (
     ("int8_grad_input", lambda i, lib, b: _case_int8(i, lib, b, 2)),
     ("search_scales_4bit", lambda i, lib, b: _case_blocks4(i, lib, b, False)),
     ("encode_4bit", lambda i, lib, b: _case_blocks4(i, lib, b, True)),
+    ("optimizer_update_8bit", _case_optim8),
 )
 
 
@@ -313,6 +375,7 @@ def main() -> None:
         _case_gemm4,
         _case_int8,
         _case_blocks4,
+        _case_optim8,
         Input.count,
         Input.code,
     ):
