@@ -235,6 +235,14 @@ def _check_env(handle: ctypes.CDLL | None = None) -> None:
         raise NativeLibraryError(f"Q4_L1D_BYTES must be a positive number of bytes, got {env!r}")
 
 
+def _isa_code(isa: str) -> int:
+    """The library's code of ISA level `isa`; a name it lacks raises ValueError."""
+    codes = {v: k for k, v in isa_names().items()}
+    if not isinstance(isa, str) or isa not in codes:
+        raise ValueError(f"isa must be one of {', '.join(codes)}, got {isa!r}")
+    return codes[isa]
+
+
 def cpu_isa() -> str:
     """The ISA level the CPU kernels use now: 'scalar', 'avx2', 'avx512',
     'avx512_bf16' or 'amx' (each implies the ones before it)."""
@@ -244,18 +252,12 @@ def cpu_isa() -> str:
 def set_cpu_isa(isa: str) -> None:
     """Force the CPU kernels onto one ISA level (also: env Q4_ISA). A level the
     processor lacks raises KernelError; an unknown name ValueError."""
-    codes = {v: k for k, v in isa_names().items()}
-    if not isinstance(isa, str) or isa not in codes:
-        raise ValueError(f"isa must be one of {', '.join(codes)}, got {isa!r}")
-    check(lib().q4_set_cpu_isa(codes[isa]))
+    check(lib().q4_set_cpu_isa(_isa_code(isa)))
 
 
 def cpu_has_isa(isa: str) -> bool:
     """Whether this processor and OS support ISA level `isa` (a name of isa_names())."""
-    codes = {v: k for k, v in isa_names().items()}
-    if not isinstance(isa, str) or isa not in codes:
-        raise ValueError(f"isa must be one of {', '.join(codes)}, got {isa!r}")
-    return bool(lib().q4_cpu_has_isa(codes[isa]))
+    return bool(lib().q4_cpu_has_isa(_isa_code(isa)))
 
 
 def cpu_has_avx2() -> bool:
