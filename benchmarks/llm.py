@@ -495,12 +495,10 @@ def main(argv=None) -> int:
         ("llamacpp-q4_0", "llama.cpp Q4_0", ("decode_b1_tok_s", "prefill_tok_s")),
         ("bnb", "bitsandbytes", ("decode_b1_tok_s", "decode_b8_tok_s", "prefill_tok_s")),
     ):
-        base = results.get(peer, {})
+        base = results.get(peer, {})  # (a peer that did not run has no figures: no ratios)
         for name, r in results.items():
-            if "error" in r or "error" in base or not base.get("decode_b1_tok_s") or name in (peer, "bnb"):
-                continue
-            if name.startswith("llamacpp"):
-                continue
+            if name == "bnb" or name.startswith("llamacpp") or "error" in r or not base.get("decode_b1_tok_s"):
+                continue  # (every other contestant against each peer)
             ratios = [f"{key.replace('_tok_s', '').replace('_', ' ')} {r[key] / base[key]:.2f}x"
                       for key in keys if r.get(key) and base.get(key)]  # fmt: skip
             print(f"{name} / {label}: {', '.join(ratios)}")
